@@ -1,0 +1,126 @@
+"""`dolmus` command line. Each engine flag maps onto one EngineConfig field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Sequence
+
+from dolmus.config import EngineConfig
+
+
+def _kv_memory(text: str) -> float | int:
+    value = float(text)
+    return value if value <= 1 else int(value)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model folder (default: built-in stories260k)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_kv_memory,
+        default=None,
+        help="KV cache budget: bytes, or a fraction (<=1) of free memory (default: 4 GiB on CPU)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dolmus.engine.engine import Engine
+    from dolmus.sampling_params import SamplingParams
+
+    try:
+        engine = Engine(engine_config_from_args(args), progress=True)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.sampling_seed,
+            stop=args.stop or [],
+        )
+        prompts = args.prompts or ["Once upon a time"]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    # All prompts run together; the terminal shows them one after another, each streamed
+    # live once its turn comes (earlier text of a later prompt is printed in one go).
+    pending: dict[str, list[str]] = {str(i): [] for i in range(len(prompts))}
+    finished: set[str] = set()
+    order = [str(i) for i in range(len(prompts))]
+    current = 0
+    out = sys.stdout
+
+    def show_header(i: int) -> None:
+        if len(prompts) > 1:
+            out.write(f"\n--- [{i}] ---\n" if i else f"--- [{i}] ---\n")
+        out.write(prompts[i])
+
+    show_header(0)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            pending[o.request_id].append(o.outputs[0].text_delta)
+            if o.finished:
+                finished.add(o.request_id)
+        while current < len(order):
+            rid = order[current]
+            out.write("".join(pending[rid]))
+            pending[rid].clear()
+            if rid not in finished:
+                break
+            current += 1
+            if current < len(order):
+                show_header(current)
+        out.flush()
+    out.write("\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dolmus", description="LLM inference engine and server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts, streamed to the terminal")
+    gen.add_argument("prompts", nargs="*", help='prompts (default: "Once upon a time")')
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

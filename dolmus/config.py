@@ -1,0 +1,240 @@
+"""Engine and model configuration: the one place where defaults live.
+
+`EngineConfig` holds what a user chooses (CLI flags map one-to-one onto its fields);
+`ModelConfig` holds what the checkpoint's config.json says, normalised across the
+transformers 4.x (`rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`)
+spellings so the rest of the engine reads one shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+# On a CPU the KV cache is ordinary RAM that every other process also wants, so the
+# default budget is a fixed size (like vLLM's VLLM_CPU_KVCACHE_SPACE) rather than a
+# fraction of the machine. On a GPU the memory is ours: take most of what is free.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything a user can set on an engine. `None` means "derive it from the model"."""
+
+    model: str | None = None  # Hugging Face folder; None serves the built-in stories260k
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory: float | int | None = None  # bytes (int > 1) or fraction of free memory
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 128  # most requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunk size)
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
+    prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        return device
+
+    def resolve_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """`auto` keeps the checkpoint's dtype where the device runs it well.
+
+        CPUs here have bf16 (AMX) but no fast fp16, so fp16 checkpoints run as bf16 on CPU;
+        fp32 on a GPU stays fp32 only when asked for.
+        """
+        if self.dtype != "auto":
+            dtype = _DTYPES[self.dtype]
+            if device.type == "cpu" and dtype == torch.float16:
+                raise ValueError("dtype float16 is not supported on CPU: use bfloat16 or float32")
+            return dtype
+        if device.type == "cpu":
+            return torch.float32 if model_dtype == torch.float32 else torch.bfloat16
+        if model_dtype == torch.float32:
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return model_dtype
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the engine needs, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    sliding_window: int | None
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"model: path {str(path)!r} does not exist")
+        if not path.is_dir():
+            raise ValueError(f"model: {str(path)!r} is not a Hugging Face model folder")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model: {str(path)!r} has no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model: {config_file} is not valid JSON ({exc})") from exc
+        generation = {}
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            generation = json.loads(gen_file.read_text())
+        return cls.from_dict(raw, generation, source=str(config_file))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config"
+    ) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"model: {source} names no architecture ('architectures' is empty)")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model: architecture {arch!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ValueError(f"model: {source} lacks the field {key!r}")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"model: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        rope_theta, rope_scaling = _read_rope(raw)
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+        sliding = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding = None  # Qwen2 configs carry a window they do not use
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        generation = generation or {}
+        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=act,
+            sliding_window=int(sliding) if sliding else None,
+            dtype=_DTYPES.get(str(dtype_name), torch.float32),
+            eos_token_ids=eos_ids,
+            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (theta, scaling) from either `rope_parameters` (5.x) or `rope_scaling` (4.x)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        params = params["full_attention"]
+    if not isinstance(params, dict):
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"model: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    return theta, scaling

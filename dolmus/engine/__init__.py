@@ -1,0 +1,1 @@
+"""The engine: request state, scheduling, KV-cache bookkeeping, detokenization."""

@@ -1,0 +1,81 @@
+"""Incremental detokenization with stop strings.
+
+Each new token is decoded in a small window (`prefix_offset`..end) against the same window
+without it, so the cost per token stays flat however long the output grows, and tokenizers
+whose pieces depend on their neighbours (SentencePiece's leading space, byte fallback) come
+out right. Text that ends in an incomplete character ("\\ufffd") waits for the next token.
+With stop strings set, the last `max(len(stop)) - 1` characters are held back from the
+stream until it is clear they do not begin a stop string; a stop string is never emitted
+(unless include_stop_str_in_output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dolmus.sampling_params import SamplingParams
+
+# How many prompt tokens before the output to decode along with it: enough context for a
+# tokenizer to place spaces the way it would in the full text.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = params.skip_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.read_offset = len(self.ids)
+        self.prefix_offset = 0
+        self.text = ""  # everything decoded so far (after a stop string: truncated there)
+        self.emitted = 0  # characters of `text` already handed to the stream
+        self.stopped_on: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Decode new tokens; return the stop string that matched, if any."""
+        for token_id in token_ids:
+            self.ids.append(token_id)
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                new_text = full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                # Trim the window so memory and decode cost stay flat.
+                if self.prefix_offset > 64:
+                    drop = self.prefix_offset
+                    self.ids = self.ids[drop:]
+                    self.prefix_offset -= drop
+                    self.read_offset -= drop
+                before = len(self.text)
+                self.text += new_text
+                if self.stop and self._check_stop(before):
+                    return self.stopped_on
+        return None
+
+    def _check_stop(self, new_from: int) -> bool:
+        # A match may straddle the old text's tail, so search from hold characters back.
+        start = max(new_from - self.hold, 0)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped_on = s
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text ready to stream: all of it when finished, else minus the held-back tail."""
+        end = len(self.text) if (finished or not self.stop) else max(len(self.text) - self.hold, self.emitted)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

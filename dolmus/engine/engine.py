@@ -1,0 +1,285 @@
+"""The synchronous engine: add requests, call step() until done, read outputs.
+
+One step = schedule -> run the model -> update request state -> detokenize -> outputs.
+An `n > 1` request is fanned out into n sequences that share the prompt's KV blocks
+through the prefix cache (the first admitted computes them; the others hit them, in the
+same step if need be) and is reported back as one output with n completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from transformers import AutoTokenizer
+
+from dolmus.config import EngineConfig, ModelConfig
+from dolmus.engine.detokenizer import IncrementalDetokenizer
+from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.request import Request, RequestStatus
+from dolmus.engine.scheduler import Scheduler
+from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dolmus.runtime.model_runner import ModelRunner
+from dolmus.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
+
+
+def load_tokenizer(path: str) -> Any:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises several types for a bad folder
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc})") from exc
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # total since start
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    prefix_cache_hit_rate: float
+    prompt_tokens: int  # total computed prompt tokens of finished-first-token requests
+    generation_tokens: int
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = False) -> None:
+        self.config = config = config or EngineConfig()
+        path = config.model_path
+        self.model_config = mc = ModelConfig.from_dir(path)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(mc.dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len(mc)
+        self.tokenizer = load_tokenizer(str(config.tokenizer or path))
+        self.runner = ModelRunner(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds no more",
+                self.max_model_len,
+                capacity,
+            )
+            self.max_model_len = capacity
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self._groups: dict[str, _Group] = {}
+        self._owner: dict[str, str] = {}  # sequence id -> user request id
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished_by_reason: dict[str, int] = {}
+
+    def _resolve_max_model_len(self, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        length = self.config.max_model_len or limit
+        if length > limit:
+            raise ValueError(f"max_model_len {length} exceeds the model's context length {limit}")
+        if mc.sliding_window is not None and mc.sliding_window < length:
+            # Sliding-window attention is not implemented; within the window it is exact.
+            logger.warning("max_model_len capped at the sliding window, %d", mc.sliding_window)
+            length = mc.sliding_window
+        return length
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the field if anything is wrong."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = arrival_time or time.monotonic()
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_id = request_id if params.n == 1 else f"{request_id}{_CHILD_SEP}{i}"
+            children.append(
+                Request(
+                    child_id,
+                    prompt_ids,
+                    params,
+                    self.model_config.eos_token_ids,
+                    max_tokens,
+                    priority,
+                    arrival,
+                    seed,
+                )
+            )
+        for child in children:
+            if child.request_id in self._owner:
+                raise ValueError(f"request_id {child.request_id!r} is already in use")
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children]
+        self._groups[request_id] = _Group(request_id, prompt_text, prompt_ids, children, detoks)
+        for child in children:
+            self._owner[child.request_id] = request_id
+            self.scheduler.add(child)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; unknown ids are ignored."""
+        group = self._forget(request_id)
+        if group is None:
+            return
+        for child in group.children:
+            if not child.status.finished:
+                self.scheduler.finish(child.request_id, RequestStatus.FINISHED_ABORTED)
+                self._count_finished(child)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched)
+        updated = self.scheduler.update(sched, sampled)
+        self._generation_tokens += len(updated)
+
+        touched: dict[str, _Group] = {}
+        for request in updated:
+            group_id = self._owner.get(request.request_id)
+            group = self._groups.get(group_id) if group_id is not None else None
+            if group is None:
+                continue
+            index = group.children.index(request) if len(group.children) > 1 else 0
+            if request.num_output_tokens == 1:
+                self._prompt_tokens += request.num_prompt_tokens
+            stop = group.detoks[index].add_tokens(request.output_token_ids[-1:])
+            if stop is not None and not request.status.finished:
+                request.stop_reason = stop
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.status.finished:
+                self._count_finished(request)
+            touched[group_id] = group
+        outputs = [self._make_output(g) for g in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> _Group | None:
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for child in group.children:
+                self._owner.pop(child.request_id, None)
+        return group
+
+    def _count_finished(self, request: Request) -> None:
+        reason = request.status.value
+        self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, (req, detok) in enumerate(zip(group.children, group.detoks)):
+            done = req.status.finished
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.text if done or not detok.stop else detok.text[: detok.emitted],
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.status.value if done else None,
+                    stop_reason=req.stop_reason,
+                    logprobs=req.logprobs,
+                    cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                    text_delta=detok.take_delta(done),
+                    metrics=_metrics(req) if done else None,
+                )
+            )
+        first = group.children[0]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_ids,
+            outputs=completions,
+            finished=all(c.status.finished for c in group.children),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+
+    # -- observability ----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            prefix_cache_hit_rate=kv.prefix_hit_rate,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            finished=dict(self._finished_by_reason),
+        )
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    t = req.timings
+    return RequestMetrics(
+        arrival_time=t.arrival,
+        queue_time=t.queue_time,
+        ttft=t.ttft,
+        tpot=t.tpot,
+        itl=t.inter_token_latencies,
+        e2e_latency=t.e2e_latency,
+        num_preemptions=req.num_preemptions,
+    )

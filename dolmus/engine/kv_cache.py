@@ -1,0 +1,220 @@
+"""Bookkeeping of the paged KV cache: which block holds whose tokens. No tensors here.
+
+The model runner owns the memory (one tensor per layer, `num_blocks * block_size` slots);
+this module hands out block ids. Prefix caching keys every *full* block by a chained hash
+(parent hash + the block's tokens), so two requests with the same first k blocks share them.
+A block whose last user left keeps its hash and sits in a free queue in LRU order; it is
+only forgotten when the queue's head is taken for new data (lazy eviction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dolmus.engine.request import Request
+
+_ROOT_HASH = b"dolmus-prefix-root"
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """sha256 (not Python's hash) so one tenant cannot craft a collision into another's cache."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.sha256(parent + data).digest()
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """All blocks, the LRU free queue, and the hash -> block map of cached blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Head = least recently freed = first to be reused. Never-used blocks start there.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def take(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the head of the free queue, evicting their cached contents."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
+        taken = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def share(self, blocks: Sequence[KVBlock]) -> None:
+        """Add a user to cache-hit blocks, pulling any idle ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one user from each block; idle blocks join the queue's tail in the given order."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def register(self, block: KVBlock, block_hash: bytes) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # The first block computed under a hash stays the canonical one.
+        self._cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool, with prefix-cache hit counters."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_published: dict[str, int] = {}  # leading blocks already registered
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    # -- prefix cache ---------------------------------------------------------------
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chain of full-block hashes to cover its current tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        Capped so at least one token is left to compute: the model must run on the last
+        position to produce logits, and a zero-length query is a crash in small engines.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Count a lookup once, when the request is admitted (not on every failed try)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_blocks * self.block_size
+
+    # -- allocation -----------------------------------------------------------------
+
+    def can_fit(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> bool:
+        return self._blocks_needed(request, num_new_tokens, cached) <= self.pool.num_free
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock]) -> int:
+        have = self.req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(have) - len(cached)
+        # Cache hits sitting idle in the free queue stop counting as free once taken.
+        idle_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        return max(needed, 0) + idle_hits
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens; False if the pool is short.
+
+        `cached` are prefix hits found for a request being admitted; they become the head
+        of its block table and its num_computed_tokens moves past them.
+        """
+        if not self.can_fit(request, num_new_tokens, cached):
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if cached:
+            self.pool.share(cached)
+            blocks.extend(cached)
+            request.num_computed_tokens += len(cached) * self.block_size
+        total = request.num_computed_tokens + num_new_tokens
+        missing = -(-total // self.block_size) - len(blocks)
+        if missing > 0:
+            blocks.extend(self.pool.take(missing))
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, blocks, total)
+        return True
+
+    def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Publish blocks that will be full once this step's tokens are written.
+
+        Publishing before the forward pass is safe: a request admitted later in the same
+        step may hit these blocks, and the attention backend writes every new K/V of a
+        layer before any sequence reads the cache.
+        """
+        self.update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_published.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], request.block_hashes[i])
+        self._num_published[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first, so its tail is evicted before its head."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_published.pop(request.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- counters -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.pool.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

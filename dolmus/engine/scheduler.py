@@ -1,0 +1,218 @@
+"""Decides each step's work under a token budget. Touches no tensors.
+
+Order of business every step:
+1. running requests, most urgent first (priority, then arrival): each gets the tokens it
+   still lacks, up to the remaining budget (a decode needs one; a long prefill is chunked);
+   when the KV pool is short, the least urgent, latest running request is preempted
+   (blocks freed, recomputed later, priority kept) until the current one fits;
+2. waiting requests by (priority, arrival), prefix-cache hits first, while budget, seats
+   (`max_num_seqs`) and blocks last. A waiting request of a more urgent tier may preempt a
+   less urgent running one, whether the limit hit is memory or seats.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.request import Request, RequestStatus, SampledToken
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so this step yields its next token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    block_tables: dict[str, list[int]]
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # for runners to drop state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # kept sorted by sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # -- queue changes ---------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string, limits) and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.timings.finished = time.monotonic()
+        self._finished_ids.append(request_id)
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]  # least urgent, latest; not yet scheduled this step
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # A step that had to preempt for memory admits nobody: the pool is over-committed.
+        pool_short = bool(preempted)
+        while not pool_short and self.waiting and budget > 0:
+            request = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if not self._evict_for(request, scheduled, preempted):
+                    break
+                budget = self.max_num_batched_tokens - sum(
+                    s.num_new_tokens for s in scheduled.values()
+                )
+                continue
+            cached = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                if not self._evict_for(request, scheduled, preempted):
+                    break
+                budget = self.max_num_batched_tokens - sum(
+                    s.num_new_tokens for s in scheduled.values()
+                )
+                continue
+            self.kv.record_prefix_lookup(request, len(cached))
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.monotonic()
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            budget -= num_new
+
+        out_list = list(scheduled.values())
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=out_list,
+            block_tables={s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out_list},
+            preempted=preempted,
+            finished_ids=finished,
+        )
+
+    def _evict_for(
+        self, request: Request, scheduled: dict[str, ScheduledRequest], preempted: list[Request]
+    ) -> bool:
+        """Preempt the least urgent running request if it is of a less urgent tier."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=lambda r: r.sort_key)
+        if victim.priority <= request.priority:
+            return False
+        scheduled.pop(victim.request_id, None)
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what hit a limit.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        now = time.monotonic()
+        updated = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token.token_id, now)
+            if request.logprobs is not None and token.top_logprobs is not None:
+                request.logprobs.append(token.top_logprobs)
+            if token.logprob is not None:
+                request.cumulative_logprob += token.logprob
+            updated.append(request)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(request.request_id, status)
+        return updated
+
+    # -- counters -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,1 @@
+"""Everything that touches tensors: loading, the model, attention, sampling."""

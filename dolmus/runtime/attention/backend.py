@@ -1,0 +1,75 @@
+"""The contract between a model's attention layers and the paged KV cache.
+
+The model runner describes a step once (`AttentionMetadata`); every layer then calls the
+backend with its own q/k/v and its own cache tensor. Layout of one layer's cache:
+`[2, num_blocks * block_size, num_kv_heads, head_dim]` (keys, then values), addressed by
+slot = block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence with more than one new token (a prompt or a chunk of one)."""
+
+    query_start: int  # first of its tokens in the flat batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this chunk
+    kv_slots: torch.Tensor | None  # [context_len + query_len] slots; None if context_len == 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what each of them may attend to.
+
+    The flat batch holds decodes first (one token each), then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decodes: int
+    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_len] slots, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] True where attendable
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k/v to the cache, returns [T, Hq * D].
+
+        All new keys and values of the step are written before any sequence reads the
+        cache: a request admitted in the same step as another may share its fresh blocks.
+        """
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    # Imported here so the registry fills without the backends importing each other.
+    from dolmus.runtime.attention import torch_sdpa  # noqa: F401
+
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,76 @@
+"""Builds a model and fills it from a Hugging Face folder's safetensors files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dolmus.config import ModelConfig
+from dolmus.runtime.attention import AttentionBackend
+from dolmus.runtime.layers.linear import LinearMethod
+from dolmus.runtime.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"model: {index.name} names missing files: {', '.join(absent)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {str(folder)!r} holds no *.safetensors weights")
+    return files
+
+
+def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                total += len(list(handle.keys()))
+        bar = tqdm(total=total, desc="Loading weights", unit="tensor", leave=False)
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
+def load_model(
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    method: LinearMethod,
+    backend: AttentionBackend,
+    max_len: int,
+    progress: bool = False,
+) -> nn.Module:
+    files = safetensors_files(folder)
+    with torch.device(device):
+        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
+    model.load_weights(iter_weights(files, progress))
+    model.process_weights_after_loading()
+    model.eval()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s from %s: %.1f MB of weights in %s", cfg.architecture, folder, size / 1e6, dtype)
+    return model

@@ -1,0 +1,211 @@
+"""Owns the model and the KV-cache memory; turns a SchedulerOutput into sampled tokens.
+
+It never decides who runs: it lays the scheduled tokens out as one flat batch (decodes
+first, then prefill chunks), describes where each token's K/V lives, runs the model, and
+samples for the requests whose chunk reached their last token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from dolmus.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_GPU_KV_CACHE_FRACTION,
+    EngineConfig,
+    ModelConfig,
+)
+from dolmus.engine.request import SampledToken
+from dolmus.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dolmus.runtime.attention import AttentionMetadata, PrefillSeq, get_backend
+from dolmus.runtime.layers.linear import make_linear_method
+from dolmus.runtime.loader import load_model
+from dolmus.runtime.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_path: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        progress: bool = False,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        if config.num_threads and device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model = load_model(
+            model_path,
+            model_config,
+            dtype,
+            device,
+            make_linear_method(config.prepack_weights),
+            get_backend("torch"),
+            max_model_len,
+            progress=progress,
+        )
+        self.num_blocks = self._plan_kv_blocks(max_model_len)
+        cfg = model_config
+        slots = self.num_blocks * self.block_size
+        # zeros, not empty: the budget is reserved (and resident) up front, as on a GPU,
+        # so memory use does not creep up as the pool is first walked through.
+        self.kv_caches = list(
+            torch.zeros(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        )
+        self.sampler = Sampler(device, config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _plan_kv_blocks(self, max_model_len: int) -> int:
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = int(available_memory(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        elif budget <= 1:
+            budget = int(available_memory(self.device) * budget)
+        num_blocks = int(budget) // per_block
+        # More blocks than every seat at full length (plus as many again for the prefix
+        # cache) would only be memory no one uses.
+        useful = 2 * self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MB, %d bytes per token)",
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / 1e6,
+            per_block // self.block_size,
+        )
+        return num_blocks
+
+    # -- one step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        for request_id in sched.finished_ids:
+            self._generators.pop(request_id, None)
+        if sched.empty:
+            return {}
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, meta = self._prepare(ordered, len(decodes), sched.block_tables)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sample_index, rows, ids = [], [], []
+        offset = 0
+        for item in ordered:
+            offset += item.num_new_tokens
+            if item.samples:
+                sample_index.append(offset - 1)
+                rows.append(self._sampling_row(item))
+                ids.append(item.request.request_id)
+        if not rows:
+            return {}
+        index = torch.tensor(sample_index, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return dict(zip(ids, self.sampler(logits, rows)))
+
+    def _prepare(
+        self, ordered: list[ScheduledRequest], num_decodes: int, block_tables: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs, dev = self.block_size, self.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for item in ordered[:num_decodes]:
+            r = item.request
+            pos = r.num_computed_tokens
+            tokens.append(r.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(block_tables[r.request_id][pos // bs] * bs + pos % bs)
+
+        decode_kv_slots = decode_mask = None
+        if num_decodes:
+            seq_lens = torch.tensor(positions, dtype=torch.long) + 1
+            max_len = int(seq_lens.max())
+            nblk = -(-max_len // bs)
+            table = torch.zeros(num_decodes, nblk, dtype=torch.long)
+            for i, item in enumerate(ordered[:num_decodes]):
+                row = block_tables[item.request.request_id][:nblk]
+                table[i, : len(row)] = torch.tensor(row)
+            pos_range = torch.arange(max_len)
+            decode_kv_slots = (table[:, pos_range // bs] * bs + pos_range % bs).to(dev)
+            decode_mask = (pos_range.unsqueeze(0) < seq_lens.unsqueeze(1)).view(num_decodes, 1, 1, max_len).to(dev)
+
+        prefill_seqs: list[PrefillSeq] = []
+        slot_chunks = [torch.tensor(slots, dtype=torch.long)]
+        start = num_decodes
+        for item in ordered[num_decodes:]:
+            r, n = item.request, item.num_new_tokens
+            ctx = r.num_computed_tokens
+            tokens.extend(r.all_token_ids[ctx : ctx + n])
+            positions.extend(range(ctx, ctx + n))
+            table = torch.tensor(block_tables[r.request_id], dtype=torch.long)
+            span = torch.arange(ctx + n)
+            seq_slots = table[span // bs] * bs + span % bs
+            slot_chunks.append(seq_slots[ctx:])
+            prefill_seqs.append(PrefillSeq(start, n, ctx, seq_slots.to(dev) if ctx else None))
+            start += n
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_chunks).to(dev),
+            num_decodes=num_decodes,
+            decode_kv_slots=decode_kv_slots,
+            decode_mask=decode_mask,
+            prefills=prefill_seqs,
+        )
+        return (
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+        )
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        r = item.request
+        gen = None
+        if r.seed is not None:
+            gen = self._generators.get(r.request_id)
+            if gen is None:
+                gen = torch.Generator(self.device).manual_seed(r.seed)
+                self._generators[r.request_id] = gen
+        return SamplingRow(
+            params=r.params,
+            generator=gen,
+            prompt_ids=r.prompt_token_ids,
+            output_ids=r.output_token_ids,
+            stop_ids=sorted(r.stop_token_ids),
+        )

@@ -1,0 +1,186 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+The model sees a flat batch of tokens with positions and attention metadata; it knows
+nothing of requests. Parameter names mirror the Hugging Face checkpoints, except that
+q/k/v and gate/up are fused into one matrix each (fewer, larger GEMMs).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dolmus.config import ModelConfig
+from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
+from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
+from dolmus.runtime.layers.norm import RMSNorm
+from dolmus.runtime.layers.rotary import RotaryEmbedding
+
+# checkpoint sub-name -> (our fused sub-name, shard)
+_STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", "gate"),
+    ("up_proj", "gate_up_proj", "up"),
+)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.attention_bias, dtype, method
+        )
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, method)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method)
+        self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method)
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, method, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, method)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod, backend: AttentionBackend, max_len: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, method, rotary, backend) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        backend: AttentionBackend,
+        max_len: int,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, dtype, method, backend, max_len)
+        # A tied head is still its own Linear (sharing the embedding's storage) so its
+        # method may pack or quantize it.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight_shared = True
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into place; raise naming any weight left unloaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = {(name, None) for name in params}
+        for prefix, module in self.named_modules():
+            if isinstance(module, Linear):
+                for pname, _ in module.named_parameters(recurse=False):
+                    full = f"{prefix}.{pname}"
+                    expected.discard((full, None))
+                    expected.update((full, shard) for shard in module.shard_offsets)
+        tied = self.cfg.tie_word_embeddings
+        if tied:
+            expected.discard(("lm_head.weight", None))
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            shard = None
+            for ckpt_part, ours, shard_id in _STACKED:
+                if f".{ckpt_part}." in name:
+                    name, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.cfg.architecture}")
+            getattr(param, "weight_loader", load_plain)(param, tensor, shard)
+            loaded.add((name, shard))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+    def process_weights_after_loading(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()

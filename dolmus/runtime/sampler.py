@@ -1,0 +1,119 @@
+"""Turns logits into next tokens: logits processors, then temperature/top-k/top-p/min-p.
+
+Sampling is argmax(probs / E) with E ~ Exp(1) noise (equivalent to drawing from probs, and
+free of a host sync per row). Seeded rows draw their noise from their own generator, so a
+seed gives the same tokens whatever else shares the batch. Logprobs are of the raw model
+distribution, before any processing, as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dolmus.engine.request import SampledToken
+from dolmus.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: list[int]  # tokens forbidden until min_tokens are out
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """logits: [len(rows), vocab] float32 (modified in place)."""
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        )
+        self._apply_processors(logits, rows)
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(t) for t in token_list]
+        return [
+            self._with_logprobs(t, raw_logprobs[i], k) for i, (t, k) in enumerate(zip(token_list, want_logprobs))
+        ]
+
+    @staticmethod
+    def _with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> SampledToken:
+        if k is None:
+            return SampledToken(token)
+        chosen = float(logprobs[token])
+        top: dict[int, float] = {token: chosen}
+        if k > 0:
+            values, ids = logprobs.topk(k)
+            for tid, val in zip(ids.tolist(), values.tolist()):
+                top.setdefault(tid, val)
+        return SampledToken(token, chosen, top)
+
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_ids) < p.min_tokens and row.stop_ids:
+                logits[i, [t for t in row.stop_ids if t < vocab]] = float("-inf")
+            if not p.has_penalties:
+                continue
+            out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=logits.device)
+                seen = seen.unique()
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if out.numel() and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device
+        )
+        logits = logits / temps.unsqueeze(1)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=probs.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask all but each row's top-k tokens, then all outside its top-p nucleus."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.tensor([v if 0 < v < vocab else vocab for v in top_k], device=logits.device)
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cum <= 1 - p
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
