@@ -1,0 +1,62 @@
+"""Incremental detokenization: multi-byte characters, stop strings, hold-back."""
+
+from __future__ import annotations
+
+import pytest
+
+from dolmus.config import DEFAULT_MODEL_DIR
+from dolmus.engine.detokenizer import IncrementalDetokenizer
+from dolmus.engine.engine import load_tokenizer
+from dolmus.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(DEFAULT_MODEL_DIR))
+
+
+def _stream(tok, prompt: str, text: str, params: SamplingParams):
+    prompt_ids = tok.encode(prompt)
+    ids = tok.encode(prompt + text)[len(prompt_ids) :]
+    detok = IncrementalDetokenizer(tok, prompt_ids, params)
+    deltas, stop = [], None
+    for t in ids:
+        stop = detok.add_tokens([t])
+        deltas.append(detok.take_delta(stop is not None))
+        if stop:
+            break
+    deltas.append(detok.take_delta(True))
+    return deltas, detok, stop, ids
+
+
+def test_multibyte_characters_never_split(tok):
+    text = " héllo wörld, 日本語 and 🙂 too"
+    deltas, detok, _, ids = _stream(tok, "Say", text, SamplingParams())
+    assert any(len(tok.convert_ids_to_tokens([i])[0]) == 6 for i in ids)  # byte-fallback pieces
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.text == text
+
+
+def test_stop_string_is_never_emitted(tok):
+    text = " The dog ran home. Then it slept."
+    params = SamplingParams(stop=["home.", "xyz"])
+    deltas, detok, stop, _ = _stream(tok, "Go", text, params)
+    assert stop == "home."
+    assert "".join(deltas) == detok.text == " The dog ran "
+    assert all("home" not in d for d in deltas)
+
+
+def test_stop_string_included_when_asked(tok):
+    params = SamplingParams(stop=["ran"], include_stop_str_in_output=True)
+    deltas, detok, stop, _ = _stream(tok, "Go", " The dog ran home.", params)
+    assert detok.text == " The dog ran" and "".join(deltas) == detok.text
+
+
+def test_cost_window_stays_small(tok):
+    params = SamplingParams()
+    prompt = tok.encode("Once")
+    detok = IncrementalDetokenizer(tok, prompt, params)
+    ids = tok.encode("Once" + " upon a time there was a cat" * 40)[len(prompt) :]
+    detok.add_tokens(ids)
+    assert len(detok.ids) < 80  # the decode window is trimmed as text is read
+    assert detok.text == tok.decode(tok.encode("Once" + " upon a time there was a cat" * 40), skip_special_tokens=True)[4:]

@@ -1,0 +1,121 @@
+"""The block pool, prefix cache and scheduler on their own: no model needed."""
+
+from __future__ import annotations
+
+from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.request import Request, RequestStatus, SampledToken
+from dolmus.engine.scheduler import Scheduler
+from dolmus.sampling_params import SamplingParams
+
+
+def make_request(rid: str, n_tokens: int, priority: int = 0, arrival: float = 0.0, start: int = 10) -> Request:
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    return Request(rid, list(range(start, start + n_tokens)), params, [2], 100, priority, arrival or None)
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    sampled = {s.request.request_id: SampledToken(token) for s in out.scheduled if s.samples}
+    sched.update(out, sampled)
+    return out
+
+
+def test_prefix_hit_shares_blocks_and_counts():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    a, b = make_request("a", 10), make_request("b", 10)
+    assert kv.allocate(a, 10)
+    assert kv.block_ids("a") and len(kv.block_ids("a")) == 3
+    hit = kv.find_cached_prefix(b)
+    assert [blk.block_id for blk in hit] == kv.block_ids("a")[:2]
+    assert kv.allocate(b, 10 - 8, hit)
+    assert b.num_computed_tokens == 8
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert kv.num_used_blocks == 4
+
+
+def test_hit_capped_to_leave_one_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", 8)
+    kv.allocate(a, 8)
+    assert len(kv.find_cached_prefix(make_request("b", 8))) == 1  # not 2: last token recomputed
+
+
+def test_lru_eviction_takes_tail_of_oldest_first():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", 12)
+    kv.allocate(a, 12)
+    kv.free(a)
+    assert kv.num_free_blocks == 6
+    # A new request needing 4 fresh blocks takes the 3 never-used ones, then a's tail.
+    c = make_request("c", 16, start=300)
+    kv.allocate(c, 16)
+    survivors = kv.find_cached_prefix(make_request("a2", 12))
+    assert len(survivors) == 2  # a's first two blocks are still cached
+
+
+def test_disabled_prefix_cache_never_hits():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a = make_request("a", 12)
+    kv.allocate(a, 12)
+    assert kv.find_cached_prefix(make_request("b", 12)) == []
+
+
+def test_chunked_prefill_and_decode_share_a_step():
+    kv = KVCacheManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=200)
+    sched.add(make_request("short", 3))
+    run_step(sched)  # prefill of "short" (3 tokens) and it gets its first token
+    sched.add(make_request("long", 25, start=100))
+    out = run_step(sched)
+    sizes = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert sizes == {"short": 1, "long": 9}
+    out = run_step(sched)
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"short": 1, "long": 9}
+    assert not [s for s in out.scheduled if s.request.request_id == "long"][0].samples
+
+
+def test_priority_admission_order():
+    kv = KVCacheManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, max_model_len=200)
+    sched.add(make_request("late-batch", 4, priority=1, arrival=1.0))
+    sched.add(make_request("urgent", 4, priority=0, arrival=2.0))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+
+
+def test_urgent_request_preempts_on_seat_limit():
+    kv = KVCacheManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, max_model_len=200)
+    batch = make_request("batch", 4, priority=5, arrival=1.0)
+    sched.add(batch)
+    run_step(sched)
+    sched.add(make_request("urgent", 4, priority=0, arrival=2.0))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+    assert batch.status == RequestStatus.WAITING and batch.num_preemptions == 1
+    assert batch.priority == 5 and batch.output_token_ids == [7]
+
+
+def test_memory_preemption_picks_least_urgent_latest():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_model_len=24)
+    reqs = [make_request("a", 7, 0, 1.0), make_request("b", 7, 1, 2.0), make_request("c", 7, 0, 3.0)]
+    for r in reqs:
+        sched.add(r)
+    run_step(sched)  # prefill: each holds 2 blocks (8 slots), then has 8 tokens
+    run_step(sched)  # decode of the 8th token fits
+    run_step(sched)  # the 9th needs a third block: the pool is out
+    assert reqs[1].num_preemptions == 1  # tier 1 goes first, though it is not the latest
+    assert reqs[0].num_preemptions == 0 and reqs[2].num_preemptions == 0
+    assert sched.num_preemptions == 1
+
+
+def test_finish_frees_everything():
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_model_len=200)
+    for i in range(3):
+        sched.add(make_request(str(i), 9))
+    run_step(sched)
+    for i in range(3):
+        sched.finish(str(i), RequestStatus.FINISHED_ABORTED)
+    assert kv.num_used_blocks == 0 and not sched.has_work
