@@ -40,3 +40,23 @@ def test_new_tokens_count_and_finish_reason(llama_dir):
     out = llm.generate([[5, 6, 7]], greedy(max_tokens=NEW_TOKENS))[0].outputs[0]
     assert len(out.token_ids) == NEW_TOKENS
     assert out.finish_reason == "length"
+
+
+def test_sharded_checkpoint_with_index(model_root, llama_dir):
+    """A model saved in many safetensors shards (with model.safetensors.index.json)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = model_root / "llama-sharded"
+    if not folder.exists():
+        AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).save_pretrained(
+            folder, max_shard_size="60KB"
+        )
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+            shutil.copy(llama_dir / name, folder / name)
+    assert (folder / "model.safetensors.index.json").exists()
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    prompts = random_prompts(lengths=(7, 70), seed=30)
+    sharded = run_tokens(LLM(model=str(folder), dtype="float32"), prompts)
+    assert sharded == run_tokens(LLM(model=str(llama_dir), dtype="float32"), prompts)

@@ -80,3 +80,23 @@ def test_logprobs_top_k_and_chosen(llm):
     for token, step in zip(out.token_ids, out.logprobs):
         assert token in step and len(step) == 3  # greedy choice is one of the top 3
         assert step[token] == max(step.values())
+
+
+def test_eos_list_from_generation_config(tmp_path, llm):
+    """generation_config.json's eos_token_id list ends generation on any of its ids."""
+    import json
+    import shutil
+
+    from dolmus.config import DEFAULT_MODEL_DIR
+
+    free = llm.generate("Once", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].token_ids
+    folder = tmp_path / "eos"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, free[6]]
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    out = LLM(model=str(folder)).generate("Once", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert out.token_ids == free[: free.index(free[6]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    ignored = LLM(model=str(folder)).generate("Once", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert ignored[0].outputs[0].token_ids == free

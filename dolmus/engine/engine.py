@@ -228,16 +228,17 @@ class Engine:
         completions = []
         for i, (req, detok) in enumerate(zip(group.children, group.detoks)):
             done = req.status.finished
+            delta = detok.take_delta(done)
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.text if done or not detok.stop else detok.text[: detok.emitted],
+                    text=detok.text[: detok.emitted],  # held-back characters are not out yet
                     token_ids=list(req.output_token_ids),
                     finish_reason=req.status.value if done else None,
                     stop_reason=req.stop_reason,
                     logprobs=req.logprobs,
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                    text_delta=detok.take_delta(done),
+                    text_delta=delta,
                     metrics=_metrics(req) if done else None,
                 )
             )

@@ -21,7 +21,7 @@ from dolmus.config import (
 )
 from dolmus.engine.request import SampledToken
 from dolmus.engine.scheduler import ScheduledRequest, SchedulerOutput
-from dolmus.runtime.attention import AttentionMetadata, PrefillSeq, get_backend
+from dolmus.runtime.attention import AttentionMetadata, DecodeGroup, PrefillSeq, get_backend
 from dolmus.runtime.layers.linear import make_linear_method
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
@@ -118,7 +118,10 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if sched.empty:
             return {}
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        # Decodes sorted by length, so similar lengths share a padded attention group.
+        decodes = sorted(
+            (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens
+        )
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, meta = self._prepare(ordered, len(decodes), sched.block_tables)
@@ -152,19 +155,10 @@ class ModelRunner:
             tokens.append(r.all_token_ids[pos])
             positions.append(pos)
             slots.append(block_tables[r.request_id][pos // bs] * bs + pos % bs)
-
-        decode_kv_slots = decode_mask = None
-        if num_decodes:
-            seq_lens = torch.tensor(positions, dtype=torch.long) + 1
-            max_len = int(seq_lens.max())
-            nblk = -(-max_len // bs)
-            table = torch.zeros(num_decodes, nblk, dtype=torch.long)
-            for i, item in enumerate(ordered[:num_decodes]):
-                row = block_tables[item.request.request_id][:nblk]
-                table[i, : len(row)] = torch.tensor(row)
-            pos_range = torch.arange(max_len)
-            decode_kv_slots = (table[:, pos_range // bs] * bs + pos_range % bs).to(dev)
-            decode_mask = (pos_range.unsqueeze(0) < seq_lens.unsqueeze(1)).view(num_decodes, 1, 1, max_len).to(dev)
+        groups = [
+            self._decode_group(start, ordered[start:end], positions[start:end], block_tables)
+            for start, end in _length_groups(positions)
+        ]
 
         prefill_seqs: list[PrefillSeq] = []
         slot_chunks = [torch.tensor(slots, dtype=torch.long)]
@@ -174,24 +168,51 @@ class ModelRunner:
             ctx = r.num_computed_tokens
             tokens.extend(r.all_token_ids[ctx : ctx + n])
             positions.extend(range(ctx, ctx + n))
-            table = torch.tensor(block_tables[r.request_id], dtype=torch.long)
-            span = torch.arange(ctx + n)
-            seq_slots = table[span // bs] * bs + span % bs
-            slot_chunks.append(seq_slots[ctx:])
-            prefill_seqs.append(PrefillSeq(start, n, ctx, seq_slots.to(dev) if ctx else None))
+            table = block_tables[r.request_id]
+            span = torch.arange(ctx, ctx + n)
+            slot_chunks.append(torch.tensor(table, dtype=torch.long)[span // bs] * bs + span % bs)
+            blocks = None
+            if ctx:
+                blocks = torch.tensor(table[: -(-(ctx + n) // bs)], dtype=torch.long, device=dev)
+            prefill_seqs.append(PrefillSeq(start, n, ctx, blocks))
             start += n
 
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_chunks).to(dev),
+            block_size=bs,
             num_decodes=num_decodes,
-            decode_kv_slots=decode_kv_slots,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             prefills=prefill_seqs,
         )
         return (
             torch.tensor(tokens, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
+        )
+
+    def _decode_group(
+        self,
+        start: int,
+        items: list[ScheduledRequest],
+        positions: list[int],
+        block_tables: dict[str, list[int]],
+    ) -> DecodeGroup:
+        bs = self.block_size
+        num_blocks = max(positions) // bs + 1
+        ids = torch.zeros(len(items), num_blocks, dtype=torch.long)
+        for i, item in enumerate(items):
+            row = block_tables[item.request.request_id][:num_blocks]
+            ids[i, : len(row)] = torch.tensor(row)
+        span = torch.arange(num_blocks * bs)
+        lengths = torch.tensor(positions).unsqueeze(1) + 1
+        mask = torch.zeros(len(items), num_blocks * bs, dtype=self.dtype)
+        mask.masked_fill_(span.unsqueeze(0) >= lengths, float("-inf"))
+        return DecodeGroup(
+            start=start,
+            count=len(items),
+            num_blocks=num_blocks,
+            block_ids=ids.view(-1).to(self.device),
+            mask=mask.view(len(items), 1, 1, -1).to(self.device),
         )
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
@@ -209,3 +230,21 @@ class ModelRunner:
             output_ids=r.output_token_ids,
             stop_ids=sorted(r.stop_token_ids),
         )
+
+
+def _length_groups(positions: list[int], min_size: int = 8, spread: float = 1.5) -> list[tuple[int, int]]:
+    """Split length-sorted decodes into [start, end) groups of similar length.
+
+    A group closes once it has `min_size` members and the next sequence is `spread` times
+    longer than its first: padding stays bounded, and the number of groups (SDPA calls per
+    layer) grows only with the log of the length range.
+    """
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or (
+            i - start >= min_size and positions[i] + 1 > spread * (positions[start] + 1)
+        ):
+            groups.append((start, i))
+            start = i
+    return groups

@@ -21,20 +21,35 @@ class PrefillSeq:
     query_start: int  # first of its tokens in the flat batch
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
-    kv_slots: torch.Tensor | None  # [context_len + query_len] slots; None if context_len == 0
+    block_ids: torch.Tensor | None  # blocks holding context + chunk; None if context_len == 0
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar length, attended as one padded batch.
+
+    Grouping by length keeps padding (wasted gathers and dot products) small when short
+    and long sequences decode together.
+    """
+
+    start: int  # first of the group's tokens in the flat batch
+    count: int
+    num_blocks: int  # blocks per sequence after padding
+    block_ids: torch.Tensor  # [count * num_blocks], row-major
+    mask: torch.Tensor  # [count, 1, 1, num_blocks * block_size], 0 or -inf (model dtype)
 
 
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go and what each of them may attend to.
 
-    The flat batch holds decodes first (one token each), then prefill chunks.
+    The flat batch holds decodes first (one token each, in their groups), then prefill chunks.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    block_size: int
     num_decodes: int
-    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_len] slots, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] True where attendable
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
 

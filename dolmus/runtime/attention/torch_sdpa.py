@@ -1,7 +1,9 @@
-"""Reference attention on any device: gather the cache by slot, then PyTorch SDPA.
+"""Reference attention on any device: gather the cache by block, then PyTorch SDPA.
 
-Decodes run as one padded batch (one gather, one SDPA call per layer); each prefill chunk
-runs on its own. A chunk with no cached context attends to its fresh k/v directly.
+Each decode group runs as one padded batch (one gather, one SDPA call per layer); each
+prefill chunk runs on its own, attending to its fresh k/v directly when it has no cached
+context. Gathers are `index_select` over whole blocks, several times faster on CPU than
+advanced indexing by slot.
 """
 
 from __future__ import annotations
@@ -28,35 +30,44 @@ class TorchSDPABackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-
         num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        bs = meta.block_size
+        k_blocks = k_cache.view(-1, bs * num_kv_heads * head_dim)
+        v_blocks = v_cache.view(-1, bs * num_kv_heads * head_dim)
+
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-        nd = meta.num_decodes
-        if nd:
-            # Grouped-query decode: the G query heads sharing a KV head become G query rows
-            # of that head, so SDPA sees [B, Hkv, G, D] against [B, Hkv, L, D] with no K/V
-            # expansion. (SDPA's enable_gqa with one query row is ~10x slower on CPU.)
-            num_kv_heads = k_cache.shape[1]
-            group = num_heads // num_kv_heads
-            keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        group_size = num_heads // num_kv_heads
+        for g in meta.decode_groups:
+            n, length = g.count, g.num_blocks * bs
+            keys = k_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
+            values = v_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
+            # Grouped-query decode: the query heads sharing a KV head become query rows of
+            # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
+            # with a single query row is ~10x slower on CPU.)
             res = F.scaled_dot_product_attention(
-                q[:nd].view(nd, num_kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
+                q[g.start : g.start + n].view(n, num_kv_heads, group_size, head_dim),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=g.mask,
+                scale=scale,
             )
-            out[:nd] = res.reshape(nd, num_heads, head_dim)
+            out[g.start : g.start + n] = res.reshape(n, num_heads, head_dim)
+
         for seq in meta.prefills:
             s, n = seq.query_start, seq.query_len
-            qs = q[s : s + n].transpose(0, 1).unsqueeze(0)
-            if seq.kv_slots is None:
+            if seq.block_ids is None:
                 keys, values = k[s : s + n], v[s : s + n]
                 mask, causal = None, True
             else:
-                keys, values = k_cache[seq.kv_slots], v_cache[seq.kv_slots]
                 total = seq.context_len + n
+                shape = (-1, num_kv_heads, head_dim)
+                keys = k_blocks.index_select(0, seq.block_ids).view(shape)[:total]
+                values = v_blocks.index_select(0, seq.block_ids).view(shape)[:total]
                 mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(seq.context_len)
                 causal = False
             res = F.scaled_dot_product_attention(
-                qs,
+                q[s : s + n].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
