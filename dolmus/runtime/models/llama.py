@@ -75,7 +75,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # SiLU on a contiguous copy: on CPU it is ~4x slower on the strided half-view.
+        return self.down_proj(F.silu(gate.contiguous()) * up)
 
 
 class DecoderLayer(nn.Module):
