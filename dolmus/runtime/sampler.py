@@ -30,8 +30,16 @@ class Sampler:
         self.generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        """logits: [len(rows), vocab] float32 (modified in place)."""
+        """logits: [len(rows), vocab] in the model's dtype."""
         want_logprobs = [r.params.logprobs for r in rows]
+        plain_greedy = all(
+            r.params.greedy and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens
+            for r in rows
+        )
+        if plain_greedy and all(k is None for k in want_logprobs):
+            # Fast path: argmax needs no float copy of a [batch, vocab] tensor.
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+        logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         )
