@@ -76,3 +76,19 @@ def test_cli_reports_bad_model_path(tmp_path):
     )
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr
+
+
+def test_chat_with_explicit_template(llm):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    convs = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be kind"}, {"role": "user", "content": "Hello"}],
+    ]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=3), chat_template=template)
+    assert llm.tokenizer.decode(outs[1].prompt_token_ids) == "[system] Be kind [user] Hello "
+    assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
+def test_chat_rejects_malformed_messages(llm):
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}])

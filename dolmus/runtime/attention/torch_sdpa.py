@@ -46,7 +46,7 @@ class TorchSDPABackend(AttentionBackend):
             # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
             # with a single query row is ~10x slower on CPU.)
             res = F.scaled_dot_product_attention(
-                q[g.start : g.start + n].view(n, num_kv_heads, group_size, head_dim),
+                q[g.start : g.start + n].reshape(n, num_kv_heads, group_size, head_dim),
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
                 attn_mask=g.mask,

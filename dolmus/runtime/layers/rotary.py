@@ -1,7 +1,7 @@
 """Rotary position embedding with the scaling types Llama-family checkpoints use.
 
-cos/sin are tabulated once for every position up to the context length (fp32, then cast),
-so a step only gathers rows by position.
+cos/sin are tabulated once for every position up to the context length (fp32, then cast);
+a step gathers its rows once and every layer reuses them.
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for a step's positions, [T, 1, D]; computed once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x: [T, H, D] (any number of heads, e.g. q and k stacked)."""
+        cos, sin = cos_sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
 # checkpoint sub-name -> (our fused sub-name, shard)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -52,16 +54,18 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        num_tokens = qkv.shape[0]
+        q_size, kv_size, _ = self.split
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two.
+        q, k = self.rotary.apply(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
 
 
@@ -94,10 +98,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, method)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,7 +110,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, method, rotary, backend) for _ in range(cfg.num_layers)
         )
@@ -142,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, cache, meta)
+            x = layer(x, cos_sin, cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
