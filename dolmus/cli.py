@@ -32,7 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="step token budget (default: 512 CPU, 2048 GPU)"
+    )
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )

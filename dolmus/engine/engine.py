@@ -84,7 +84,7 @@ class Engine:
             self.max_model_len = capacity
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv, config.max_num_seqs, config.resolve_batched_tokens(self.device), self.max_model_len
         )
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, str] = {}  # sequence id -> user request id
