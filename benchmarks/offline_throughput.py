@@ -35,7 +35,7 @@ def qwen05b_shape_dir() -> Path:
     folder = CACHE / "qwen2.5-0.5b-shape"
     if (folder / "config.json").exists():
         return folder
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -64,8 +64,9 @@ def qwen05b_shape_dir() -> Path:
     return folder
 
 
-def workload(name: str) -> list[tuple[list[int], int]]:
-    rng = random.Random(42)
+def workload(name: str, round_: int = 0) -> list[tuple[list[int], int]]:
+    """Fresh prompts each round: a repeat would be served from dolmus' prefix cache."""
+    rng = random.Random(42 + 1000 * round_)
     if name == "A":
         specs = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(64)]
     else:
@@ -76,7 +77,7 @@ def workload(name: str) -> list[tuple[list[int], int]]:
 class CpuPressure:
     """Fraction of wall time during which some runnable task waited for a CPU."""
 
-    def __enter__(self) -> "CpuPressure":
+    def __enter__(self) -> CpuPressure:
         self.t0, self.p0 = time.monotonic(), self._total()
         return self
 
@@ -146,11 +147,13 @@ def main() -> None:
     run_dolmus(llm, warm)
 
     print(f"torch {torch.__version__}, {THREADS} threads, bf16, Qwen2.5-0.5B shape (random weights)")
-    print(f"{'workload':<9}{'round':>6}{'transformers tok/s':>20}{'dolmus tok/s':>14}{'ratio':>8}  cpu pressure")
+    print(
+        f"{'workload':<9}{'round':>6}{'transformers tok/s':>20}{'dolmus tok/s':>14}{'ratio':>8}  cpu pressure"
+    )
     for name in args.workloads.split(","):
-        reqs = workload(name)
-        tokens = sum(o for _, o in reqs)
         for r in range(args.rounds):
+            reqs = workload(name, r)
+            tokens = sum(o for _, o in reqs)
             with CpuPressure() as p_hf:
                 t_hf = run_transformers(hf, reqs)
             with CpuPressure() as p_us:

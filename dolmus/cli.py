@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dolmus.config import EngineConfig
 
@@ -33,16 +33,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="step token budget (default: 512 CPU, 2048 GPU)"
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step token budget (default: 512 CPU, 2048 GPU)",
     )
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument(
-        "--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights
-    )
+    g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -73,9 +73,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -146,7 +144,7 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"model: path {str(path)!r} does not exist")
@@ -168,7 +166,7 @@ class ModelConfig:
     @classmethod
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config"
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"model: {source} names no architecture ('architectures' is empty)")
@@ -190,8 +188,7 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise ValueError(
-                f"model: num_attention_heads ({heads}) is not a multiple of "
-                f"num_key_value_heads ({kv_heads})"
+                f"model: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
             )
         rope_theta, rope_scaling = _read_rope(raw)
         act = raw.get("hidden_act", "silu")

@@ -53,7 +53,9 @@ def _configs() -> dict:
             },
         ),
         # multi-query attention, q/k/v bias, tied embeddings
-        "qwen2": Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+        "qwen2": Qwen2Config(
+            **common, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True
+        ),
         # q/k norm, explicit head_dim different from hidden/heads
         "qwen3": Qwen3Config(
             **common, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, prefix: list[int] | No
     return [head + [rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_model(folder: str):
     from transformers import AutoModelForCausalLM
 

@@ -59,4 +59,7 @@ def test_cost_window_stays_small(tok):
     ids = tok.encode("Once" + " upon a time there was a cat" * 40)[len(prompt) :]
     detok.add_tokens(ids)
     assert len(detok.ids) < 80  # the decode window is trimmed as text is read
-    assert detok.text == tok.decode(tok.encode("Once" + " upon a time there was a cat" * 40), skip_special_tokens=True)[4:]
+    assert (
+        detok.text
+        == tok.decode(tok.encode("Once" + " upon a time there was a cat" * 40), skip_special_tokens=True)[4:]
+    )

@@ -121,12 +121,18 @@ def test_seeded_sampling_ignores_batch_companions(llama_dir):
     llm = LLM(model=str(llama_dir), dtype="float32")
     alone = llm.generate([prompt], params)[0].outputs[0].token_ids
     others = random_prompts(lengths=(5, 80, 200), seed=6)
-    mixed = llm.generate(
-        others[:1] + [prompt] + others[1:],
-        [SamplingParams(temperature=0.8, max_tokens=25)] + [params] + [greedy()] * 2,
-    )[1].outputs[0].token_ids
+    mixed = (
+        llm.generate(
+            others[:1] + [prompt] + others[1:],
+            [SamplingParams(temperature=0.8, max_tokens=25)] + [params] + [greedy()] * 2,
+        )[1]
+        .outputs[0]
+        .token_ids
+    )
     assert mixed == alone
-    other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=30, ignore_eos=True))
+    other_seed = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=30, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 

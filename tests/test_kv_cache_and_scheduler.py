@@ -8,7 +8,9 @@ from dolmus.engine.scheduler import Scheduler
 from dolmus.sampling_params import SamplingParams
 
 
-def make_request(rid: str, n_tokens: int, priority: int = 0, arrival: float = 0.0, start: int = 10) -> Request:
+def make_request(
+    rid: str, n_tokens: int, priority: int = 0, arrival: float = 0.0, start: int = 10
+) -> Request:
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     return Request(rid, list(range(start, start + n_tokens)), params, [2], 100, priority, arrival or None)
 

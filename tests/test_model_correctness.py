@@ -30,9 +30,13 @@ def test_logits_match_transformers(model_dir):
             expected = ref[len(prompt) - 1 + i]
             assert torch.allclose(ours, expected, atol=1e-4, rtol=0), (len(prompt), i)
         # The chosen token's logprob is reported separately and must agree too.
-        assert abs(completion.cumulative_logprob - sum(
-            float(ref[len(prompt) - 1 + i, t]) for i, t in enumerate(completion.token_ids)
-        )) < 1e-3
+        assert (
+            abs(
+                completion.cumulative_logprob
+                - sum(float(ref[len(prompt) - 1 + i, t]) for i, t in enumerate(completion.token_ids))
+            )
+            < 1e-3
+        )
 
 
 def test_new_tokens_count_and_finish_reason(llama_dir):

@@ -20,7 +20,9 @@ def _rows(params, n=1):
 
 def test_top_k_1_is_greedy(llm):
     greedy = llm.generate("Once", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].token_ids
-    topk1 = llm.generate("Once", SamplingParams(temperature=1.5, top_k=1, max_tokens=30))[0].outputs[0].token_ids
+    topk1 = (
+        llm.generate("Once", SamplingParams(temperature=1.5, top_k=1, max_tokens=30))[0].outputs[0].token_ids
+    )
     assert topk1 == greedy
 
 
@@ -42,12 +44,12 @@ def test_min_p_drops_unlikely_tokens():
 
 def test_penalties_change_repetitive_output(llm):
     base = llm.generate("The cat sat", SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
-    pen = llm.generate(
-        "The cat sat", SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.5)
-    )[0].outputs[0]
-    freq = llm.generate(
-        "The cat sat", SamplingParams(temperature=0, max_tokens=60, frequency_penalty=1.5)
-    )[0].outputs[0]
+    pen = llm.generate("The cat sat", SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.5))[
+        0
+    ].outputs[0]
+    freq = llm.generate("The cat sat", SamplingParams(temperature=0, max_tokens=60, frequency_penalty=1.5))[
+        0
+    ].outputs[0]
     assert pen.token_ids != base.token_ids and freq.token_ids != base.token_ids
     assert len(set(pen.token_ids)) > len(set(base.token_ids))
 
@@ -98,5 +100,7 @@ def test_eos_list_from_generation_config(tmp_path, llm):
     out = LLM(model=str(folder)).generate("Once", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     assert out.token_ids == free[: free.index(free[6]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
-    ignored = LLM(model=str(folder)).generate("Once", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    ignored = LLM(model=str(folder)).generate(
+        "Once", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
     assert ignored[0].outputs[0].token_ids == free

@@ -49,7 +49,9 @@ def test_streamed_deltas_add_up_to_the_text(llm):
 
 
 def test_chat_uses_fallback_template(llm):
-    out = llm.chat([{"role": "user", "content": "Tell me a story"}], SamplingParams(temperature=0, max_tokens=5))
+    out = llm.chat(
+        [{"role": "user", "content": "Tell me a story"}], SamplingParams(temperature=0, max_tokens=5)
+    )
     ids = out[0].prompt_token_ids
     assert ids[0] == 1
     assert llm.tokenizer.decode(ids[1:]) == "user: Tell me a story\nassistant:"

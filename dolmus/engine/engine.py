@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -201,9 +202,12 @@ class Engine:
             if request.num_output_tokens == 1:
                 self._prompt_tokens += request.num_prompt_tokens
             stop = group.detoks[index].add_tokens(request.output_token_ids[-1:])
-            if stop is not None and not request.status.finished:
+            if stop is not None:
                 request.stop_reason = stop
-                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                if request.status.finished:  # the same token also hit a length limit
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.status.finished:
                 self._count_finished(request)
             touched[group_id] = group

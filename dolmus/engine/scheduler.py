@@ -131,32 +131,12 @@ class Scheduler:
         pool_short = bool(preempted)
         while not pool_short and self.waiting and budget > 0:
             request = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs:
+            if not self._admit(request, budget, scheduled):
                 if not self._evict_for(request, scheduled, preempted):
                     break
-                budget = self.max_num_batched_tokens - sum(
-                    s.num_new_tokens for s in scheduled.values()
-                )
+                budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
                 continue
-            cached = self.kv.find_cached_prefix(request)
-            num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
-            if not self.kv.allocate(request, num_new, cached):
-                if not self._evict_for(request, scheduled, preempted):
-                    break
-                budget = self.max_num_batched_tokens - sum(
-                    s.num_new_tokens for s in scheduled.values()
-                )
-                continue
-            self.kv.record_prefix_lookup(request, len(cached))
-            self.waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = request.num_computed_tokens
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.monotonic()
-            self.running.append(request)
-            scheduled[request.request_id] = ScheduledRequest(request, num_new)
-            budget -= num_new
+            budget -= scheduled[request.request_id].num_new_tokens
 
         out_list = list(scheduled.values())
         finished, self._finished_ids = self._finished_ids, []
@@ -166,6 +146,25 @@ class Scheduler:
             preempted=preempted,
             finished_ids=finished,
         )
+
+    def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> bool:
+        """Move the head of the waiting queue to running if a seat and blocks are free."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        cached = self.kv.find_cached_prefix(request)
+        num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
+        if not self.kv.allocate(request, num_new, cached):
+            return False
+        self.kv.record_prefix_lookup(request, len(cached))
+        self.waiting.pop(0)
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.monotonic()
+        self.running.append(request)
+        scheduled[request.request_id] = ScheduledRequest(request, num_new)
+        return True
 
     def _evict_for(
         self, request: Request, scheduled: dict[str, ScheduledRequest], preempted: list[Request]

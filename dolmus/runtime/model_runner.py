@@ -98,9 +98,7 @@ class ModelRunner:
         useful = 2 * self.config.max_num_seqs * -(-max_model_len // self.block_size)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes"
-            )
+            raise ValueError(f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MB, %d bytes per token)",
             num_blocks,

@@ -52,7 +52,8 @@ class Sampler:
         if raw_logprobs is None:
             return [SampledToken(t) for t in token_list]
         return [
-            self._with_logprobs(t, raw_logprobs[i], k) for i, (t, k) in enumerate(zip(token_list, want_logprobs))
+            self._with_logprobs(t, raw_logprobs[i], k)
+            for i, (t, k) in enumerate(zip(token_list, want_logprobs))
         ]
 
     @staticmethod

@@ -9,6 +9,7 @@ every model gets every format without model changes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,13 +19,13 @@ class LinearMethod(ABC):
     """How a linear layer's weight is created, post-processed after loading, and applied."""
 
     @abstractmethod
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None: ...
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn loaded weights into their compute layout (packing, quantizing)."""
 
     @abstractmethod
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -38,7 +39,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, prepack: bool = True) -> None:
         self.prepack = prepack
 
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(
             torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
         )
@@ -49,7 +50,7 @@ class UnquantizedLinearMethod(LinearMethod):
         )
         layer.packed_weight = None
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight
         if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return
@@ -59,7 +60,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if not layer.weight_shared:  # the packed copy is the only one needed from now on
             layer.weight.data = torch.empty(0, dtype=w.dtype)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)

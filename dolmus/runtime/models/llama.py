@@ -7,7 +7,7 @@ q/k/v and gate/up are fused into one matrix each (fewer, larger GEMMs).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size
         self.qkv_proj = Linear(
             cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.attention_bias, dtype, method
         )
@@ -54,18 +54,19 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
-        q_size, kv_size, _ = self.split
         heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads, self.head_dim)
+        qk = qkv[:, : self.qk_size].view(num_tokens, heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k rotate together: one set of elementwise ops instead of two.
         q, k = self.rotary.apply(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
 
 
@@ -98,14 +99,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, method)
 
-    def forward(self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod, backend: AttentionBackend, max_len: int
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        backend: AttentionBackend,
+        max_len: int,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
@@ -176,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.cfg.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of {self.cfg.architecture}"
+                )
             getattr(param, "weight_loader", load_plain)(param, tensor, shard)
             loaded.add((name, shard))
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
