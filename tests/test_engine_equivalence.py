@@ -94,6 +94,9 @@ def test_requests_added_mid_decode(llama_dir):
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
+        stats = engine.stats()
+        assert stats.num_running + stats.num_waiting == engine.num_unfinished_requests
+        assert stats.kv_blocks_used + stats.kv_blocks_free == stats.kv_blocks_total
         steps += 1
     assert [results[str(i)] for i in range(len(prompts))] == ref
 

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from dolmus import LLM, SamplingParams
 from dolmus.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -134,3 +135,9 @@ def test_abort_frees_blocks_and_spares_others(llama_dir):
     assert finished["b"].outputs[0].token_ids == alone[0].outputs[0].token_ids
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.finished == {"abort": 1, "length": 1}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_requested_without_gpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        LLM(device="cuda")

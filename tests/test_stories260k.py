@@ -45,7 +45,10 @@ def test_streamed_deltas_add_up_to_the_text(llm):
             deltas.append(out.outputs[0].text_delta)
             final = out
     assert "".join(deltas) == final.outputs[0].text
-    assert final.outputs[0].metrics.ttft is not None and len(final.outputs[0].metrics.itl) == 59
+    m = final.outputs[0].metrics
+    assert len(m.itl) == 59 and all(gap >= 0 for gap in m.itl)
+    assert 0 <= m.queue_time <= m.ttft <= m.e2e_latency
+    assert m.tpot is not None and m.num_preemptions == 0
 
 
 def test_chat_uses_fallback_template(llm):
