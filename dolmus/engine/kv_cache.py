@@ -90,11 +90,6 @@ class BlockPool:
         # The first block computed under a hash stays the canonical one.
         self._cached.setdefault(block_hash, block)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
-
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool, with prefix-cache hit counters."""
