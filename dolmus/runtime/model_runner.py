@@ -169,16 +169,16 @@ class ModelRunner:
             table = block_tables[r.request_id]
             span = torch.arange(ctx, ctx + n)
             slot_chunks.append(torch.tensor(table, dtype=torch.long)[span // bs] * bs + span % bs)
-            blocks = None
+            blocks = mask = None
             if ctx:
                 blocks = torch.tensor(table[: -(-(ctx + n) // bs)], dtype=torch.long, device=dev)
-            prefill_seqs.append(PrefillSeq(start, n, ctx, blocks))
+                mask = torch.ones(n, ctx + n, dtype=torch.bool, device=dev).tril(ctx)
+            prefill_seqs.append(PrefillSeq(start, n, ctx, blocks, mask))
             start += n
 
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_chunks).to(dev),
             block_size=bs,
-            num_decodes=num_decodes,
             decode_groups=groups,
             prefills=prefill_seqs,
         )

@@ -22,6 +22,7 @@ class PrefillSeq:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     block_ids: torch.Tensor | None  # blocks holding context + chunk; None if context_len == 0
+    mask: torch.Tensor | None  # [query_len, context_len + query_len] causal, when block_ids is set
 
 
 @dataclass
@@ -48,7 +49,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     block_size: int
-    num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
 

@@ -64,8 +64,7 @@ class TorchSDPABackend(AttentionBackend):
                 shape = (-1, num_kv_heads, head_dim)
                 keys = k_blocks.index_select(0, seq.block_ids).view(shape)[:total]
                 values = v_blocks.index_select(0, seq.block_ids).view(shape)[:total]
-                mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(seq.context_len)
-                causal = False
+                mask, causal = seq.mask, False
             res = F.scaled_dot_product_attention(
                 q[s : s + n].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),

@@ -37,7 +37,6 @@ class Attention(nn.Module):
         cfg: ModelConfig,
         dtype: torch.dtype,
         method: LinearMethod,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
@@ -51,7 +50,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
-        self.rotary = rotary
         self.backend = backend
 
     def forward(
@@ -65,7 +63,7 @@ class Attention(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k rotate together: one set of elementwise ops instead of two.
-        q, k = self.rotary.apply(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = RotaryEmbedding.apply(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
 
@@ -90,12 +88,11 @@ class DecoderLayer(nn.Module):
         cfg: ModelConfig,
         dtype: torch.dtype,
         method: LinearMethod,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, method, rotary, backend)
+        self.self_attn = Attention(cfg, dtype, method, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, method)
 
@@ -118,10 +115,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, method, rotary, backend) for _ in range(cfg.num_layers)
-        )
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, method, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
