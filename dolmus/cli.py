@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from dolmus.config import EngineConfig
+from dolmus.config import EngineConfig, ServerConfig
 
 
 def _kv_memory(text: str) -> float | int:
@@ -105,6 +106,45 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from dolmus.server.launcher import serve
+
+    try:
+        engine_config = engine_config_from_args(args)
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or os.environ.get("DOLMUS_API_KEY") or None,
+            chat_template=args.chat_template,
+            max_waiting=args.max_waiting,
+            max_body_bytes=args.max_body_bytes,
+            drain_timeout=args.drain_timeout,
+            gpu_hour_cost=args.gpu_hour_cost,
+            log_level=args.log_level,
+        )
+        server_config.load_chat_template()
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve(engine_config, server_config)
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or DOLMUS_API_KEY)")
+    g.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
+    g.add_argument("--max-waiting", type=int, default=None, help="answer 429 when more requests wait")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="answer 413 above this size")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
+    g.add_argument("--gpu-hour-cost", type=float, default=None, help="machine cost per hour, for cost metrics")
+    g.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dolmus", description="LLM inference engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,8 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    _add_serve_args(srv)
+    srv.set_defaults(func=_serve)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.command == "serve" else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 

@@ -246,3 +246,51 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+# Scheduler priorities of the X-Priority header's tiers (lower runs first). A request
+# without the header or a `priority` field is interactive.
+PRIORITY_TIERS = {"interactive": 0, "batch": 1}
+
+
+@dataclass
+class ServerConfig:
+    """What `dolmus serve` adds on top of the engine (flags map one-to-one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # defaults to the --model argument (or "stories260k")
+    api_key: str | None = None  # also read from DOLMUS_API_KEY
+    chat_template: str | None = None  # a jinja2 file, or the template itself
+    max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
+    max_body_bytes: int = 32 << 20  # 413 above this
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
+            raise ValueError(f"gpu_hour_cost must be >= 0, got {self.gpu_hour_cost}")
+
+    def model_name(self, engine: EngineConfig) -> str:
+        return self.served_model_name or engine.model or "stories260k"
+
+    def load_chat_template(self) -> str | None:
+        """The --chat-template value as template text: a file's contents, or the text itself."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = Path(value)
+        if path.is_file():
+            return path.read_text()
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a jinja2 template")

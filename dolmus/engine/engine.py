@@ -49,8 +49,13 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     prefix_cache_hit_rate: float
-    prompt_tokens: int  # total computed prompt tokens of finished-first-token requests
+    prompt_tokens: int  # prompt tokens of requests that got their first token (cached included)
     generation_tokens: int
+    num_preempted_waiting: int = 0  # preempted requests waiting to be recomputed
+    # Wall time spent in steps, split between prompt and output work by each step's token mix;
+    # the server turns these into cost per token.
+    busy_prefill_seconds: float = 0.0
+    busy_decode_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
 
@@ -92,6 +97,8 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason: dict[str, int] = {}
+        self._busy_prefill = 0.0
+        self._busy_decode = 0.0
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
@@ -177,6 +184,10 @@ class Engine:
                 self.scheduler.finish(child.request_id, RequestStatus.FINISHED_ABORTED)
                 self._count_finished(child)
 
+    def abort_all(self) -> None:
+        for request_id in list(self._groups):
+            self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -187,7 +198,13 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
         sched = self.scheduler.schedule()
+        prefill_tokens = sum(
+            s.num_new_tokens
+            for s in sched.scheduled
+            if s.request.num_computed_tokens < s.request.num_prompt_tokens
+        )
         sampled = self.runner.execute(sched)
         updated = self.scheduler.update(sched, sampled)
         self._generation_tokens += len(updated)
@@ -215,7 +232,14 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
+        self._account_busy(time.monotonic() - start, prefill_tokens, sched.num_batched_tokens)
         return outputs
+
+    def _account_busy(self, seconds: float, prefill_tokens: int, total_tokens: int) -> None:
+        if total_tokens:
+            share = prefill_tokens / total_tokens
+            self._busy_prefill += seconds * share
+            self._busy_decode += seconds * (1 - share)
 
     def _forget(self, request_id: str) -> _Group | None:
         group = self._groups.pop(request_id, None)
@@ -273,6 +297,9 @@ class Engine:
             prefix_cache_hit_rate=kv.prefix_hit_rate,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            num_preempted_waiting=self.scheduler.num_preempted_waiting,
+            busy_prefill_seconds=self._busy_prefill,
+            busy_decode_seconds=self._busy_decode,
             finished=dict(self._finished_by_reason),
         )
 

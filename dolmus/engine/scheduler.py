@@ -215,3 +215,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        return sum(1 for r in self.waiting if r.num_preemptions)

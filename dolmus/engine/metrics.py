@@ -1,0 +1,136 @@
+"""Prometheus metrics, named `dolmus:<name>` with units in the name (vLLM's `vllm:` scheme).
+
+Latency histograms are observed once per finished request from its timings. Gauges and
+counters are read at scrape time from the engine's latest stats snapshot, so the step loop
+pays nothing for them. Each server owns its own registry: no module-global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dolmus.engine.engine import EngineStats
+from dolmus.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+
+
+class EngineMetrics:
+    """The metrics of one served model.
+
+    `cost_per_hour` (currency per hour of the machine) turns the engine's busy time into
+    cost per million prompt and output tokens; busy time is split between prompt and output
+    work by each step's token mix (see Engine.step).
+    """
+
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None = None
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = hist("dolmus:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = hist("dolmus:inter_token_latency_seconds", "Time between output tokens.", _TOKEN_BUCKETS)
+        self.tpot = hist(
+            "dolmus:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _TOKEN_BUCKETS,
+        )
+        self.e2e = hist("dolmus:e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.queue = hist("dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.registry.register(_StatsCollector(model_name, stats, cost_per_hour))
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record the latencies of every completion of a finished request."""
+        for completion in output.outputs:
+            m = completion.metrics
+            if m is None:
+                continue
+            if m.ttft is not None:
+                self.ttft.observe(m.ttft)
+            if m.queue_time is not None:
+                self.queue.observe(m.queue_time)
+            if m.tpot is not None:
+                self.tpot.observe(m.tpot)
+            if m.e2e_latency is not None:
+                self.e2e.observe(m.e2e_latency)
+            for gap in m.itl:
+                self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None) -> None:
+        self._model = model_name
+        self._stats = stats
+        self._cost = cost_per_hour
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        m = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("dolmus:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("dolmus:num_requests_waiting", "Sequences waiting for a seat.", s.num_waiting)
+        yield gauge(
+            "dolmus:num_requests_preempted", "Preempted sequences waiting to be recomputed.", s.num_preempted_waiting
+        )
+        yield gauge("dolmus:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage)
+        yield gauge("dolmus:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total)
+        yield gauge("dolmus:kv_cache_blocks_used", "KV-cache blocks held by requests.", s.kv_blocks_used)
+        yield counter("dolmus:num_preemptions", "Preemptions since start.", s.num_preemptions)
+        yield counter("dolmus:prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
+        yield counter("dolmus:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("dolmus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)  # fmt: skip
+        yield counter("dolmus:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        finished = CounterMetricFamily(
+            "dolmus:request_success", "Finished sequences by reason.", labels=["model_name", "finished_reason"]
+        )
+        for reason in ("stop", "length", "abort"):
+            finished.add_metric([self._model, reason], s.finished.get(reason, 0))
+        yield finished
+        busy = s.busy_prefill_seconds + s.busy_decode_seconds
+        yield counter("dolmus:engine_busy_seconds", "Wall time spent in engine steps.", busy)
+        if self._cost is not None:
+            per_second = self._cost / 3600.0
+            yield gauge(
+                "dolmus:cost_per_million_prompt_tokens",
+                "Busy cost per 1M prompt tokens at --gpu-hour-cost.",
+                _per_million(s.busy_prefill_seconds * per_second, s.prompt_tokens),
+            )
+            yield gauge(
+                "dolmus:cost_per_million_generation_tokens",
+                "Busy cost per 1M generated tokens at --gpu-hour-cost.",
+                _per_million(s.busy_decode_seconds * per_second, s.generation_tokens),
+            )
+
+
+def _per_million(cost: float, tokens: int) -> float:
+    return cost / tokens * 1e6 if tokens else 0.0

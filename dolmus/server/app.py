@@ -1,0 +1,217 @@
+"""The FastAPI application: routes, API-key and body-size guards, model loading.
+
+The server listens before the model is loaded: every model route answers 503 until the
+engine is up (so an orchestrator can tell "starting" from "dead"), then /health turns 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dolmus.config import PRIORITY_TIERS, EngineConfig, ServerConfig
+from dolmus.engine.async_engine import AsyncEngine
+from dolmus.engine.engine import Engine
+from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
+from dolmus.server.errors import APIError, error_bytes, install_handlers
+from dolmus.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dolmus.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")  # never behind the API key (probes and scrapers)
+
+
+class ServerState:
+    """What the routes need, filled in once the model has loaded."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.server_config = server_config
+        self.model_name = server_config.model_name(engine_config)
+        self.chat_template = server_config.load_chat_template()  # fail before loading a model
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.metrics: EngineMetrics | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_failure: Callable[[], None] | None = None
+
+    async def load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(Engine, self.engine_config, True)
+        except BaseException as exc:
+            self.load_error = exc
+            logger.error("model failed to load: %s", exc)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
+            return
+        metrics = EngineMetrics(self.model_name, lambda: async_engine.stats, self.server_config.gpu_hour_cost)
+        async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+        async_engine.start()
+        self.metrics = metrics
+        self.engine = async_engine
+        self.serving = OpenAIServing(
+            async_engine, self.model_name, self.chat_template, self.server_config.max_waiting
+        )
+        logger.info("model %s loaded; serving", self.model_name)
+
+    def ready(self) -> OpenAIServing:
+        if self.serving is None or self.engine is None:
+            raise APIError(503, "the model is still loading" if self.load_error is None else "the model failed to load")
+        if not self.engine.is_running:
+            raise APIError(503, "the engine has stopped")
+        return self.serving
+
+
+def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
+    state = ServerState(engine_config, server_config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(state.load())
+        yield
+        if not loading.done():
+            loading.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="dolmus", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.dolmus = state
+    install_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=server_config.api_key, max_body_bytes=server_config.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.ready()
+        assert state.metrics is not None
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        serving = state.ready()
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "dolmus",
+                "max_model_len": serving.max_model_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        return await state.ready().completions(body, _priority(body.priority, x_priority), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        return await state.ready().chat(body, _priority(body.priority, x_priority), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        serving = state.ready()
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = await serving.render(body.messages, body.add_generation_prompt)
+        else:
+            prompt = body.prompt
+            ids = await asyncio.to_thread(serving.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        serving = state.ready()
+        serving.check_model(body.model)
+        if any(not 0 <= t < serving.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens must be integers in [0, {serving.vocab_size})", param="tokens")
+        text = await asyncio.to_thread(serving.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    return app
+
+
+def _priority(body_priority: int | None, header: str | None) -> int:
+    """The request's scheduler priority: the body's `priority` wins over X-Priority."""
+    if body_priority is not None:
+        return body_priority
+    if header is None:
+        return PRIORITY_TIERS["interactive"]
+    tier = PRIORITY_TIERS.get(header.strip().lower())
+    if tier is None:
+        raise APIError(400, f"X-Priority must be one of {', '.join(PRIORITY_TIERS)}, got {header!r}",
+                       param="X-Priority")  # fmt: skip
+    return tier
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from the body stream; FastAPI passes HTTPExceptions through to our handler."""
+
+
+class GuardMiddleware:
+    """API key on every route but /health and /metrics; 413 for bodies over the limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in _OPEN_PATHS and not self._authorized(headers):
+            await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                              "invalid_api_key")  # fmt: skip
+            return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _send_error(send, 413, self._too_large(), "request_too_large")
+            return
+
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge(413, self._too_large())
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, self._too_large(), "request_too_large")
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        assert self.api_key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _too_large(self) -> str:
+        return f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)"
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = error_bytes(status, message, code)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,493 @@
+"""OpenAI completions and chat completions on top of the AsyncEngine.
+
+Each HTTP request is validated here (model name, fields, context length, queue room),
+tokenized in a worker thread, split into one engine request per prompt (each with its n
+samples), and answered either as one JSON body or as server-sent events. A client that
+goes away has its engine requests aborted, which frees their KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
+from dolmus.entrypoints.chat_utils import render_chat
+from dolmus.outputs import CompletionOutput, RequestOutput
+from dolmus.sampling_params import SamplingParams
+from dolmus.server.errors import APIError, error_body
+from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class _Job:
+    """One HTTP request as the engine sees it: a prompt per engine request, shared params."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    priority: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        chat_template: str | None = None,
+        max_waiting: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.max_waiting = max_waiting
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.model_config.vocab_size
+        self._token_text: dict[int, str] = {}
+
+    # -- shared validation ----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def _check_ids(self, ids: Sequence[Any]) -> list[int]:
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        return list(ids)
+
+    def _check_length(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"is {len(ids)} tokens, which leaves no room for output",
+                param="prompt", code="context_length_exceeded",
+            )  # fmt: skip
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} for the output)",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+
+    def _check_room(self, num_new: int) -> None:
+        """Admission control: refuse rather than queue without bound."""
+        if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
+            raise APIError(
+                429,
+                f"the server is busy: {self.engine.num_waiting} requests are waiting "
+                f"(--max-waiting {self.max_waiting}); retry later",
+                code="rate_limit_exceeded", headers={"Retry-After": "1"},
+            )  # fmt: skip
+
+    @staticmethod
+    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+                ) -> SamplingParams:  # fmt: skip
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(
+                400, "best_of is not supported: dolmus returns n samples without ranking them; "
+                "leave best_of unset or equal to n", param="best_of",
+            )  # fmt: skip
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            return SamplingParams(
+                n=body.n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=0 if body.top_k is None else body.top_k,
+                min_p=0.0 if body.min_p is None else body.min_p,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=body.stop or [],
+                stop_token_ids=body.stop_token_ids or [],
+                ignore_eos=body.ignore_eos,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    # -- /v1/completions ------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, priority: int, raw: Request) -> Any:
+        self.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        params = self._params(body, body.max_tokens, body.logprobs)
+        texts, prompts = await self._completion_prompts(body.prompt)
+        for ids in prompts:
+            self._check_length(ids, body.max_tokens, "max_tokens")
+        self._check_room(len(prompts) * body.n)
+        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, priority)
+        echo = texts if body.echo else None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(self._completion_events(job, echo, include_usage))
+        outputs = await self._collect(job, raw)
+        if outputs is None:
+            return None
+        choices = []
+        for p, out in enumerate(outputs):
+            prefix = echo[p] if echo else ""
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": p * params.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": self._completion_logprobs(c, 0, len(c.token_ids), len(prefix), params),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return JSONResponse(
+            {
+                "id": job.request_id,
+                "object": "text_completion",
+                "created": job.created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(job, outputs),
+            }
+        )
+
+    async def _completion_prompts(self, prompt: Any) -> tuple[list[str], list[list[int]]]:
+        """Texts (for echo) and token ids of each prompt of a completions request."""
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if any(isinstance(p, str) and not p for p in items):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+
+        def work() -> tuple[list[str], list[list[int]]]:
+            texts, ids = [], []
+            for p in items:
+                if isinstance(p, str):
+                    texts.append(p)
+                    ids.append(list(self.tokenizer.encode(p)))
+                else:
+                    checked = self._check_ids(p)
+                    ids.append(checked)
+                    texts.append(self.tokenizer.decode(checked))
+            return texts, ids
+
+        return await asyncio.to_thread(work)
+
+    async def _completion_events(
+        self, job: _Job, echo: list[str] | None, include_usage: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        n = job.params.n
+        sent = [[0] * n for _ in job.prompts]
+        offsets = [[len(echo[p]) if echo else 0] * n for p in range(len(job.prompts))]
+        if echo:
+            for p, text in enumerate(echo):
+                for i in range(n):
+                    yield self._completion_chunk(job, p * n + i, text, None, None)
+        last: dict[int, RequestOutput] = {}
+        async for p, out in self._stream(job):
+            last[p] = out
+            for c in out.outputs:
+                done = sent[p][c.index] < 0
+                if done or not (c.text_delta or c.finished):
+                    continue
+                start, end = sent[p][c.index], len(c.token_ids)
+                logprobs = self._completion_logprobs(c, start, end, offsets[p][c.index], job.params)
+                offsets[p][c.index] += len(c.text_delta)
+                sent[p][c.index] = -1 if c.finished else end
+                yield self._completion_chunk(job, p * n + c.index, c.text_delta, logprobs, c)
+        if include_usage:
+            yield self._chunk_envelope(job, "text_completion", [], _usage(job, list(last.values())))
+
+    def _completion_chunk(
+        self, job: _Job, index: int, text: str, logprobs: Any, c: CompletionOutput | None
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason if c else None,
+            "stop_reason": c.stop_reason if c else None,
+        }
+        return self._chunk_envelope(job, "text_completion", [choice])
+
+    def _completion_logprobs(
+        self, c: CompletionOutput, start: int, end: int, offset: int, params: SamplingParams
+    ) -> dict[str, Any] | None:
+        if params.logprobs is None or c.logprobs is None:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for tid, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
+            text = self._text_of(tid)
+            tokens.append(text)
+            token_logprobs.append(lp.get(tid))
+            tops.append({self._text_of(t): v for t, v in _top(lp, params.logprobs)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, priority: int, raw: Request) -> Any:
+        self.check_model(body.model)
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format other than text is not supported yet", param="response_format")
+        if body.tools:
+            raise APIError(400, "tools are not supported yet", param="tools")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        ids = await self.render(body.messages, body.add_generation_prompt)
+        self._check_length(ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        self._check_room(body.n)
+        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(self._chat_events(job, include_usage))
+        outputs = await self._collect(job, raw)
+        if outputs is None:
+            return None
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c, 0, len(c.token_ids), params),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in outputs[0].outputs
+        ]
+        return JSONResponse(
+            {
+                "id": job.request_id,
+                "object": "chat.completion",
+                "created": job.created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(job, outputs),
+            }
+        )
+
+    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        plain = [{"role": m.role, "content": _text_content(m)} for m in messages]
+        try:
+            return await asyncio.to_thread(
+                render_chat, self.tokenizer, plain, self.chat_template, add_generation_prompt
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+
+    async def _chat_events(self, job: _Job, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        n = job.params.n
+        usage_field = {"usage": None} if include_usage else {}
+        for i in range(n):
+            choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
+        sent = [0] * n
+        last: RequestOutput | None = None
+        async for _, out in self._stream(job):
+            last = out
+            for c in out.outputs:
+                if sent[c.index] < 0 or not (c.text_delta or c.finished):
+                    continue
+                start, end = sent[c.index], len(c.token_ids)
+                sent[c.index] = -1 if c.finished else end
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text_delta} if c.text_delta else {},
+                    "logprobs": self._chat_logprobs(c, start, end, job.params),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
+        if include_usage and last is not None:
+            yield self._chunk_envelope(job, "chat.completion.chunk", [], _usage(job, [last]))
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, params: SamplingParams
+                       ) -> dict[str, Any] | None:  # fmt: skip
+        if params.logprobs is None or c.logprobs is None:
+            return None
+
+        def entry(tid: int, value: float | None) -> dict[str, Any]:
+            text = self._text_of(tid)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        content = []
+        for tid, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
+            item = entry(tid, lp.get(tid))
+            item["top_logprobs"] = [entry(t, v) for t, v in _top(lp, params.logprobs)]
+            content.append(item)
+        return {"content": content}
+
+    # -- running jobs ---------------------------------------------------------------------
+
+    def _chunk_envelope(self, job: _Job, obj: str, choices: list[Any], usage: Any = ..., **extra: Any
+                        ) -> dict[str, Any]:  # fmt: skip
+        chunk: dict[str, Any] = {
+            "id": job.request_id,
+            "object": obj,
+            "created": job.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if usage is not ...:
+            chunk["usage"] = usage
+        chunk.update(extra)
+        return chunk
+
+    def _generators(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            self.engine.generate(f"{job.request_id}-{p}", ids, job.params, job.priority)
+            for p, ids in enumerate(job.prompts)
+        ]
+
+    async def _stream(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt of the job, tagged with the prompt's index, as they come."""
+        gens = self._generators(job)
+        if len(gens) == 1:
+            async for out in _engine_errors(gens[0]):
+                yield 0, out
+            return
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+        async def pump(p: int, gen: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in _engine_errors(gen):
+                    merged.put_nowait((p, out))
+            except Exception as exc:
+                merged.put_nowait((p, exc))
+
+        tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(gens)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                p, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield p, item
+                remaining -= item.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, job: _Job, raw: Request) -> list[RequestOutput] | None:
+        """Final outputs of every prompt, or None if the client went away first (aborted)."""
+
+        async def last_of(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+            out = None
+            async for out in _engine_errors(gen):
+                pass
+            assert out is not None and out.finished
+            return out
+
+        tasks = [asyncio.create_task(last_of(g)) for g in self._generators(job)]
+        watcher = asyncio.create_task(_wait_disconnect(raw))
+        try:
+            pending: set[asyncio.Task[Any]] = {*tasks, watcher}
+            while not all(t.done() for t in tasks):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    return None  # the client left: the finally below aborts its requests
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+            return [t.result() for t in tasks]
+        finally:
+            unfinished = [t for t in (*tasks, watcher) if not t.done()]
+            for t in unfinished:
+                t.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+async def _engine_errors(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Engine-side failures as API errors."""
+    try:
+        async for out in gen:
+            yield out
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from exc
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while not await raw.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(error_body(exc.status, exc.message, exc.param, exc.code))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _usage(job: _Job, outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(ids) for ids in job.prompts)
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outputs)},
+    }
+
+
+def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _text_content(message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "only text content parts are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
