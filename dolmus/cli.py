@@ -141,8 +141,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=None, help="answer 429 when more requests wait")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="answer 413 above this size")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
-    g.add_argument("--gpu-hour-cost", type=float, default=None, help="machine cost per hour, for cost metrics")
-    g.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument(
+        "--gpu-hour-cost", type=float, default=None, help="machine cost per hour, for cost metrics"
+    )
+    g.add_argument(
+        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

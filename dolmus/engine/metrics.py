@@ -18,12 +18,77 @@ from dolmus.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 
 
 class EngineMetrics:
@@ -52,7 +117,9 @@ class EngineMetrics:
             _TOKEN_BUCKETS,
         )
         self.e2e = hist("dolmus:e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
-        self.queue = hist("dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.queue = hist(
+            "dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+        )
         self.registry.register(_StatsCollector(model_name, stats, cost_per_hour))
 
     def observe_finished(self, output: RequestOutput) -> None:
@@ -77,7 +144,9 @@ class EngineMetrics:
 
 
 class _StatsCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None
+    ) -> None:
         self._model = model_name
         self._stats = stats
         self._cost = cost_per_hour
@@ -99,19 +168,30 @@ class _StatsCollector(Collector):
         yield gauge("dolmus:num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("dolmus:num_requests_waiting", "Sequences waiting for a seat.", s.num_waiting)
         yield gauge(
-            "dolmus:num_requests_preempted", "Preempted sequences waiting to be recomputed.", s.num_preempted_waiting
+            "dolmus:num_requests_preempted",
+            "Preempted sequences waiting to be recomputed.",
+            s.num_preempted_waiting,
         )
         yield gauge("dolmus:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage)
         yield gauge("dolmus:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total)
         yield gauge("dolmus:kv_cache_blocks_used", "KV-cache blocks held by requests.", s.kv_blocks_used)
         yield counter("dolmus:num_preemptions", "Preemptions since start.", s.num_preemptions)
-        yield counter("dolmus:prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
+        yield counter(
+            "dolmus:prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens
+        )
         yield counter("dolmus:generation_tokens", "Generated tokens.", s.generation_tokens)
-        yield counter("dolmus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)  # fmt: skip
-        yield counter("dolmus:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter(
+            "dolmus:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield counter(
+            "dolmus:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+        )
         finished = CounterMetricFamily(
-            "dolmus:request_success", "Finished sequences by reason.", labels=["model_name", "finished_reason"]
+            "dolmus:request_success",
+            "Finished sequences by reason.",
+            labels=["model_name", "finished_reason"],
         )
         for reason in ("stop", "length", "abort"):
             finished.add_metric([self._model, reason], s.finished.get(reason, 0))

@@ -22,7 +22,12 @@ from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.server.errors import APIError, error_bytes, install_handlers
-from dolmus.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dolmus.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from dolmus.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -65,7 +70,9 @@ class ServerState:
 
     def ready(self) -> OpenAIServing:
         if self.serving is None or self.engine is None:
-            raise APIError(503, "the model is still loading" if self.load_error is None else "the model failed to load")
+            raise APIError(
+                503, "the model is still loading" if self.load_error is None else "the model failed to load"
+            )
         if not self.engine.is_running:
             raise APIError(503, "the engine has stopped")
         return self.serving
@@ -86,7 +93,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     app = FastAPI(title="dolmus", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.dolmus = state
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=server_config.api_key, max_body_bytes=server_config.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware, api_key=server_config.api_key, max_body_bytes=server_config.max_body_bytes
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -102,12 +111,19 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     @app.get("/v1/models")
     async def models() -> Response:
         serving = state.ready()
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "dolmus",
-                "max_model_len": serving.max_model_len}  # fmt: skip
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "dolmus",
+            "max_model_len": serving.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+    async def completions(
+        body: CompletionRequest, raw: Request, x_priority: str | None = Header(None)
+    ) -> Any:
         return await state.ready().completions(body, _priority(body.priority, x_priority), raw)
 
     @app.post("/v1/chat/completions")
@@ -124,7 +140,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
             ids = await serving.render(body.messages, body.add_generation_prompt)
         else:
             prompt = body.prompt
-            ids = await asyncio.to_thread(serving.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(
+                serving.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens
+            )
         return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
 
     @app.post("/detokenize")
@@ -147,8 +165,9 @@ def _priority(body_priority: int | None, header: str | None) -> int:
         return PRIORITY_TIERS["interactive"]
     tier = PRIORITY_TIERS.get(header.strip().lower())
     if tier is None:
-        raise APIError(400, f"X-Priority must be one of {', '.join(PRIORITY_TIERS)}, got {header!r}",
-                       param="X-Priority")  # fmt: skip
+        raise APIError(
+            400, f"X-Priority must be one of {', '.join(PRIORITY_TIERS)}, got {header!r}", param="X-Priority"
+        )
     return tier
 
 
@@ -170,8 +189,9 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and scope["path"] not in _OPEN_PATHS and not self._authorized(headers):
-            await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                              "invalid_api_key")  # fmt: skip
+            await _send_error(
+                send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+            )
             return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -204,7 +224,9 @@ class GuardMiddleware:
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         assert self.api_key is not None
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)"
@@ -212,6 +234,11 @@ class GuardMiddleware:
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:
     body = error_bytes(status, message, code)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

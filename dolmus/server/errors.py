@@ -45,7 +45,9 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,

@@ -62,15 +62,19 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
-                400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                400,
+                f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_ids(self, ids: Sequence[Any]) -> list[int]:
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-            raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+            raise APIError(
+                400, f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt"
+            )
         return list(ids)
 
     def _check_length(self, ids: list[int], max_tokens: int | None, param: str) -> None:
@@ -80,15 +84,17 @@ class OpenAIServing:
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
                 f"is {len(ids)} tokens, which leaves no room for output",
-                param="prompt", code="context_length_exceeded",
-            )  # fmt: skip
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested "
                 f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} for the output)",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _check_room(self, num_new: int) -> None:
         """Admission control: refuse rather than queue without bound."""
@@ -97,17 +103,21 @@ class OpenAIServing:
                 429,
                 f"the server is busy: {self.engine.num_waiting} requests are waiting "
                 f"(--max-waiting {self.max_waiting}); retry later",
-                code="rate_limit_exceeded", headers={"Retry-After": "1"},
-            )  # fmt: skip
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
 
     @staticmethod
-    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
-                ) -> SamplingParams:  # fmt: skip
+    def _params(
+        body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(
-                400, "best_of is not supported: dolmus returns n samples without ranking them; "
-                "leave best_of unset or equal to n", param="best_of",
-            )  # fmt: skip
+                400,
+                "best_of is not supported: dolmus returns n samples without ranking them; "
+                "leave best_of unset or equal to n",
+                param="best_of",
+            )
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         try:
@@ -253,14 +263,21 @@ class OpenAIServing:
             tops.append({self._text_of(t): v for t, v in _top(lp, params.logprobs)})
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     # -- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, priority: int, raw: Request) -> Any:
         self.check_model(body.model)
         if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, "response_format other than text is not supported yet", param="response_format")
+            raise APIError(
+                400, "response_format other than text is not supported yet", param="response_format"
+            )
         if body.tools:
             raise APIError(400, "tools are not supported yet", param="tools")
         if body.top_logprobs is not None and not body.logprobs:
@@ -268,7 +285,9 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         ids = await self.render(body.messages, body.add_generation_prompt)
-        self._check_length(ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        self._check_length(
+            ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        )
         self._check_room(body.n)
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority)
         if body.stream:
@@ -311,8 +330,12 @@ class OpenAIServing:
         n = job.params.n
         usage_field = {"usage": None} if include_usage else {}
         for i in range(n):
-            choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}  # fmt: skip
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
         sent = [0] * n
         last: RequestOutput | None = None
@@ -334,8 +357,9 @@ class OpenAIServing:
         if include_usage and last is not None:
             yield self._chunk_envelope(job, "chat.completion.chunk", [], _usage(job, [last]))
 
-    def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, params: SamplingParams
-                       ) -> dict[str, Any] | None:  # fmt: skip
+    def _chat_logprobs(
+        self, c: CompletionOutput, start: int, end: int, params: SamplingParams
+    ) -> dict[str, Any] | None:
         if params.logprobs is None or c.logprobs is None:
             return None
 
@@ -352,8 +376,9 @@ class OpenAIServing:
 
     # -- running jobs ---------------------------------------------------------------------
 
-    def _chunk_envelope(self, job: _Job, obj: str, choices: list[Any], usage: Any = ..., **extra: Any
-                        ) -> dict[str, Any]:  # fmt: skip
+    def _chunk_envelope(
+        self, job: _Job, obj: str, choices: list[Any], usage: Any = ..., **extra: Any
+    ) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": job.request_id,
             "object": obj,
@@ -405,11 +430,11 @@ class OpenAIServing:
         """Final outputs of every prompt, or None if the client went away first (aborted)."""
 
         async def last_of(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-            out = None
+            last = None
             async for out in _engine_errors(gen):
-                pass
-            assert out is not None and out.finished
-            return out
+                last = out
+            assert last is not None and last.finished
+            return last
 
         tasks = [asyncio.create_task(last_of(g)) for g in self._generators(job)]
         watcher = asyncio.create_task(_wait_disconnect(raw))
