@@ -151,7 +151,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         serving.check_model(body.model)
         if any(not 0 <= t < serving.vocab_size for t in body.tokens):
             raise APIError(400, f"tokens must be integers in [0, {serving.vocab_size})", param="tokens")
-        text = await asyncio.to_thread(serving.tokenizer.decode, body.tokens)
+        text = await asyncio.to_thread(serving.tokenizer.decode, body.tokens, skip_special_tokens=True)
         return JSONResponse({"prompt": text})
 
     return app

@@ -56,6 +56,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self._token_text: dict[int, str] = {}
+        self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
 
     # -- shared validation ----------------------------------------------------------------
 
@@ -455,9 +456,16 @@ class OpenAIServing:
             await asyncio.gather(*unfinished, return_exceptions=True)
 
     def _text_of(self, token_id: int) -> str:
+        """A token's text as it reads inside a sequence (with its leading space).
+
+        Decoding a token alone drops a SentencePiece word-start space, so decode it after a
+        fixed anchor token and keep only what it adds.
+        """
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            anchor = self._anchor
+            text = self.tokenizer.decode([*anchor, token_id])[len(self.tokenizer.decode(anchor)) :]
+            self._token_text[token_id] = text
         return text
 
 

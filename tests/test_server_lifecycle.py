@@ -1,0 +1,137 @@
+"""Server start-up, auth, chat-template override and SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import RemoteServer
+
+from dolmus.config import EngineConfig, ServerConfig
+from dolmus.server.app import build_app
+
+MODEL = "stories260k"
+
+
+def test_answers_503_until_the_model_has_loaded() -> None:
+    # The app before its lifespan has run: listening, no engine yet.
+    app = build_app(EngineConfig(), ServerConfig())
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return [
+                await http.get("/health"),
+                await http.get("/v1/models"),
+                await http.post("/v1/completions", json={"prompt": "hi"}),
+            ]
+
+    for r in asyncio.run(run()):
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert "loading" in r.json()["error"]["message"]
+
+
+def test_model_that_fails_to_load_exits_1() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dolmus.cli", "serve", "--port", "0", "--model", "/no/such/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "does not exist" in proc.stderr
+
+
+def test_bad_chat_template_flag_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dolmus.cli", "serve", "--chat-template", "no-such-file.jinja"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "chat_template" in proc.stderr
+
+
+def test_api_key_and_chat_template_override(tmp_path) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    env = {"DOLMUS_API_KEY": "sekret"}
+    with RemoteServer("--chat-template", str(template), env=env, log=tmp_path / "server.log") as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200  # open for probes
+        assert httpx.get(f"{server.url}/metrics").status_code == 200  # open for scrapers
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+                r = httpx.request(method, f"{server.url}{path}", json={"prompt": "hi"}, headers=headers)
+                assert r.status_code == 401
+                assert r.json()["error"]["type"] == "authentication_error"
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+
+        client = openai.OpenAI(base_url=server.base_url, api_key="sekret", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        auth = {"Authorization": "Bearer sekret"}
+        r = httpx.post(
+            f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=auth
+        ).json()
+        text = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
+        assert text["prompt"] == "<<Hi>>"
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+        )
+        assert chat.usage.prompt_tokens == len(r["tokens"])
+
+
+def test_sigterm_drains_then_exits_0(tmp_path) -> None:
+    drain = 3.0
+    server = RemoteServer("--max-num-seqs", "1", "--drain-timeout", str(drain), log=tmp_path / "server.log")
+    outcomes: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        finish = None
+        try:
+            for chunk in client.completions.create(
+                model=MODEL,
+                prompt="Once upon a time",
+                max_tokens=480,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                first_chunk.set()
+                finish = chunk.choices[0].finish_reason or finish if chunk.choices else finish
+        except Exception:  # the connection is cut when the drain times out
+            pass
+        outcomes.append(finish or "cut")
+
+    # One seat, six requests of 480 tokens: more work than the drain timeout allows.
+    threads = [threading.Thread(target=stream) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(60)
+        sent = time.monotonic()
+        server.terminate()
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting connections
+            httpx.get(f"{server.url}/health", timeout=2)
+        status = server.proc.wait(timeout=drain + 20)
+        elapsed = time.monotonic() - sent
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        server.stop()
+    assert status == 0
+    assert elapsed < drain + 10
+    assert "length" in outcomes  # in flight at SIGTERM and finished during the drain
+    assert "cut" in outcomes  # still queued when the drain timed out
