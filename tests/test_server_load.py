@@ -39,7 +39,10 @@ def test_64_streams_with_16_disconnects(tmp_path) -> None:
     with RemoteServer("--max-num-seqs", "32", log=tmp_path / "server.log") as server:
 
         async def run() -> None:
-            client = _client(server)
+            async with _client(server) as client:
+                await _body(client)
+
+        async def _body(client: openai.AsyncOpenAI) -> None:
             # Each request alone first: the reference for its streamed result under load.
             single = [
                 await client.completions.create(
@@ -126,7 +129,10 @@ def test_interactive_request_overtakes_batch(tmp_path) -> None:
     with RemoteServer("--max-num-seqs", "8", log=tmp_path / "server.log") as server:
 
         async def run() -> None:
-            client = _client(server)
+            async with _client(server) as client:
+                await _body(client)
+
+        async def _body(client: openai.AsyncOpenAI) -> None:
             started = asyncio.Event()
             finished_at: list[float] = []
 
