@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class _Add:
     prompt: str | Sequence[int]
     params: SamplingParams
     priority: int
+    arrival_time: float  # when the server got it, so queue time includes waiting for a step
 
 
 @dataclass
@@ -124,7 +126,7 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds += params.n
-        self._inbox.put(_Add(request_id, prompt, params, priority))
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic()))
         finished = False
         try:
             while True:
@@ -186,7 +188,9 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 added += item.params.n
                 try:
-                    self.engine.add_request(item.request_id, item.prompt, item.params, item.priority)
+                    self.engine.add_request(
+                        item.request_id, item.prompt, item.params, item.priority, item.arrival_time
+                    )
                 except ValueError as exc:
                     errors.append((item.request_id, exc))
             elif isinstance(item, _Abort):

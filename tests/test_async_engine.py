@@ -1,0 +1,70 @@
+"""AsyncEngine: the step loop on its own thread, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dolmus import LLM, SamplingParams
+from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
+from dolmus.engine.engine import Engine
+
+PROMPTS = ["Once upon a time", "The cat sat", "Tom and Sue went to the park", "One day"]
+
+
+async def _final(engine: AsyncEngine, rid: str, prompt: str, params: SamplingParams):
+    last = None
+    async for out in engine.generate(rid, prompt, params):
+        last = out
+    return last
+
+
+def test_concurrent_requests_match_the_sync_engine() -> None:
+    params = SamplingParams(temperature=0, max_tokens=30)
+    expected = [o.outputs[0].text for o in LLM().generate(PROMPTS, params)]
+
+    async def run() -> list[str]:
+        engine = AsyncEngine(Engine())
+        engine.start()
+        try:
+            outs = await asyncio.gather(*(_final(engine, str(i), p, params) for i, p in enumerate(PROMPTS)))
+        finally:
+            await engine.shutdown()
+        return [o.outputs[0].text for o in outs]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_bad_request_fails_alone_and_leaving_early_frees_blocks() -> None:
+    async def run() -> None:
+        core = Engine()
+        engine = AsyncEngine(core)
+        engine.start()
+        try:
+            good = asyncio.create_task(
+                _final(engine, "good", "Once upon a time", SamplingParams(max_tokens=20))
+            )
+            with pytest.raises(ValueError, match="max_model_len"):
+                await _final(engine, "bad", "Once upon a time " * 200, SamplingParams())
+            assert (await good).outputs[0].finish_reason == "length"
+
+            stream = engine.generate(
+                "leaver", "Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True)
+            )
+            async for _ in stream:
+                break
+            await stream.aclose()  # the consumer leaves: the request is aborted
+            for _ in range(100):
+                if engine.stats.kv_blocks_used == 0 and engine.stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.stats.kv_blocks_used == 0
+            assert engine.stats.finished.get("abort") == 1
+            assert not core.has_unfinished_requests()
+        finally:
+            await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await _final(engine, "late", "Once", SamplingParams())
+
+    asyncio.run(run())
