@@ -68,3 +68,27 @@ def test_bad_request_fails_alone_and_leaving_early_frees_blocks() -> None:
             await _final(engine, "late", "Once", SamplingParams())
 
     asyncio.run(run())
+
+
+def test_a_consumer_that_falls_behind_gets_one_merged_output() -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM().generate(["Once upon a time"], params)[0].outputs[0]
+
+    async def run() -> list:
+        engine = AsyncEngine(Engine())
+        engine.start()
+        try:
+            stream = engine.generate("slow", "Once upon a time", params)
+            outs = [await stream.__anext__()]
+            while engine.stats.num_running:  # the request finishes while we do not read
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the last step's outputs are handed over right after its stats
+            outs += [out async for out in stream]
+        finally:
+            await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(outs) == 2 and outs[-1].finished
+    assert "".join(o.outputs[0].text_delta for o in outs) == expected.text
+    assert outs[-1].outputs[0].token_ids == expected.token_ids

@@ -131,6 +131,11 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                # A consumer that fell behind gets one output for all the steps it missed
+                # (one SSE chunk instead of many), so slow clients cost less, not more.
+                while isinstance(item, RequestOutput) and not stream.empty():
+                    newer = stream.get_nowait()
+                    item = newer if isinstance(newer, BaseException) else _coalesce(item, newer)
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
@@ -229,3 +234,10 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+
+
+def _coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` carrying the text deltas of both (everything else in it is cumulative)."""
+    for old, new in zip(older.outputs, newer.outputs):
+        new.text_delta = old.text_delta + new.text_delta
+    return newer
