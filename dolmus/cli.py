@@ -8,8 +8,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TypeVar
 
 from dolmus.config import EngineConfig, ServerConfig
+
+T = TypeVar("T")
 
 
 def _kv_memory(text: str) -> float | int:
@@ -47,9 +50,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights)
 
 
+def _config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """The dataclass `cls` with every field that has a flag of the same name."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return _config_from_args(EngineConfig, args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -110,19 +118,9 @@ def _serve(args: argparse.Namespace) -> int:
     from dolmus.server.launcher import serve
 
     try:
+        args.api_key = args.api_key or os.environ.get("DOLMUS_API_KEY") or None
         engine_config = engine_config_from_args(args)
-        server_config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            served_model_name=args.served_model_name,
-            api_key=args.api_key or os.environ.get("DOLMUS_API_KEY") or None,
-            chat_template=args.chat_template,
-            max_waiting=args.max_waiting,
-            max_body_bytes=args.max_body_bytes,
-            drain_timeout=args.drain_timeout,
-            gpu_hour_cost=args.gpu_hour_cost,
-            log_level=args.log_level,
-        )
+        server_config = _config_from_args(ServerConfig, args)
         server_config.load_chat_template()
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

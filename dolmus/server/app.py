@@ -139,9 +139,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         if body.messages is not None:
             ids = await serving.render(body.messages, body.add_generation_prompt)
         else:
-            prompt = body.prompt
             ids = await asyncio.to_thread(
-                serving.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens
+                serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
             )
         return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
 

@@ -237,7 +237,7 @@ class OpenAIServing:
                 sent[p][c.index] = -1 if c.finished else end
                 yield self._completion_chunk(job, p * n + c.index, c.text_delta, logprobs, c)
         if include_usage:
-            yield self._chunk_envelope(job, "text_completion", [], _usage(job, list(last.values())))
+            yield self._chunk_envelope(job, "text_completion", [], usage=_usage(job, list(last.values())))
 
     def _completion_chunk(
         self, job: _Job, index: int, text: str, logprobs: Any, c: CompletionOutput | None
@@ -356,7 +356,7 @@ class OpenAIServing:
                 }
                 yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
         if include_usage and last is not None:
-            yield self._chunk_envelope(job, "chat.completion.chunk", [], _usage(job, [last]))
+            yield self._chunk_envelope(job, "chat.completion.chunk", [], usage=_usage(job, [last]))
 
     def _chat_logprobs(
         self, c: CompletionOutput, start: int, end: int, params: SamplingParams
@@ -377,20 +377,16 @@ class OpenAIServing:
 
     # -- running jobs ---------------------------------------------------------------------
 
-    def _chunk_envelope(
-        self, job: _Job, obj: str, choices: list[Any], usage: Any = ..., **extra: Any
-    ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
+    def _chunk_envelope(self, job: _Job, obj: str, choices: list[Any], **fields: Any) -> dict[str, Any]:
+        """One streamed event; `fields` adds top-level keys such as `usage`."""
+        return {
             "id": job.request_id,
             "object": obj,
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
+            **fields,
         }
-        if usage is not ...:
-            chunk["usage"] = usage
-        chunk.update(extra)
-        return chunk
 
     def _generators(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
         return [
