@@ -10,6 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import TypeVar
 
+from dolmus.bench.bench import add_bench_args, run_bench
+from dolmus.bench.replay import add_replay_args, run_replay
+from dolmus.bench.tune import add_tune_args, run_tune
 from dolmus.config import EngineConfig, ServerConfig
 
 T = TypeVar("T")
@@ -167,7 +170,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
 
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server and report latencies")
+    add_bench_args(bench)
+    bench.set_defaults(func=run_bench)
+
+    replay = sub.add_parser("replay", help="replay a trace on in-process engines with several configurations")
+    add_replay_args(replay)
+    replay.set_defaults(func=run_replay)
+
+    tune = sub.add_parser("tune", help="search batching settings for the best goodput on a trace")
+    add_tune_args(tune)
+    tune.set_defaults(func=run_tune)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # for reports that quote their command
     level = logging.INFO if args.command == "serve" else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -2,64 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 
-STARTUP_TIMEOUT_S = 120
+from dolmus.bench.spawn import ServerProcess
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RemoteServer(ServerProcess):
+    """The package's ServerProcess, plus /metrics parsing for assertions."""
 
-
-class RemoteServer:
-    """`dolmus serve ARGS` as a subprocess; waits for /health to answer 200."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "dolmus.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-        ]
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        self._log = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*cmd, *args], env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with status {self.proc.returncode} while starting")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become healthy in time")
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
+    def __init__(self, *args: str, env: dict[str, str] | None = None, log=None) -> None:
+        super().__init__(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, log=log, startup_timeout=120)
 
     def metrics(self) -> dict[str, float]:
         """The /metrics samples, keyed by name plus labels as they appear in the text."""
@@ -71,23 +25,3 @@ class RemoteServer:
                 key = re.sub(r',?model_name="[^"]*"', "", key).replace("{,", "{").replace("{}", "")
                 samples[key] = float(value)
         return samples
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-
-    def __enter__(self) -> RemoteServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,0 +1,1 @@
+"""Load generation, trace replay and batching tuning (`dolmus bench | replay | tune`)."""

@@ -1,0 +1,68 @@
+"""What a server says about a run, read from its Prometheus /metrics before and after.
+
+dolmus (`dolmus:`) and vLLM (`vllm:`) use the same names for the figures read here; a server
+without /metrics (llama.cpp without --metrics) simply yields nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+_PREFIXES = ("dolmus:", "vllm:")
+
+
+async def scrape(http: httpx.AsyncClient, root_url: str) -> dict[str, float] | None:
+    """Every sample summed over its labels, keyed by name without the engine prefix."""
+    try:
+        response = await http.get(root_url.rstrip("/") + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    samples: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(response.text):
+            for s in family.samples:
+                for prefix in _PREFIXES:
+                    if s.name.startswith(prefix):
+                        key = s.name[len(prefix) :]
+                        if "finished_reason" in s.labels:
+                            key += "{" + s.labels["finished_reason"] + "}"
+                        samples[key] = samples.get(key, 0.0) + s.value
+    except ValueError:
+        return None
+    return samples or None
+
+
+def run_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The server's own account of the run: counter deltas and histogram means."""
+    if not before or not after:
+        return None
+
+    def delta(name: str) -> float | None:
+        return after[name] - before.get(name, 0.0) if name in after else None
+
+    def mean(hist: str) -> float | None:
+        total, count = delta(f"{hist}_sum"), delta(f"{hist}_count")
+        return total / count if total is not None and count else None
+
+    hits, queries = delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total")
+    out: dict[str, Any] = {
+        "prompt_tokens": delta("prompt_tokens_total"),
+        "generation_tokens": delta("generation_tokens_total"),
+        "finished_requests": sum(
+            after[k] - before.get(k, 0.0) for k in after if k.startswith("request_success_total")
+        ),
+        "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
+        "mean_ttft": mean("time_to_first_token_seconds"),
+        "mean_itl": mean("inter_token_latency_seconds"),
+        "mean_tpot": mean("request_time_per_output_token_seconds"),
+        "mean_e2e": mean("e2e_request_latency_seconds"),
+        "mean_queue_time": mean("request_queue_time_seconds"),
+        "cost_per_million_prompt_tokens": after.get("cost_per_million_prompt_tokens"),
+        "cost_per_million_generation_tokens": after.get("cost_per_million_generation_tokens"),
+    }
+    return {k: v for k, v in out.items() if v is not None}

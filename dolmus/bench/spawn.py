@@ -1,0 +1,91 @@
+"""Run `dolmus serve` as a child process on a free loopback port, for one-command benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`dolmus serve ARGS` as a subprocess; returns once /health answers 200."""
+
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "dolmus.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
+        self._log: IO[bytes] | int = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*cmd, *args], env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(startup_timeout)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise RuntimeError(f"dolmus serve exited with status {self.proc.returncode} while starting")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"dolmus serve did not become healthy within {timeout:.0f} s")
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if not isinstance(self._log, int):
+            self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

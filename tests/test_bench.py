@@ -1,0 +1,261 @@
+"""`dolmus bench | replay | tune` against real servers and engines (stories260k)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from server_helpers import RemoteServer
+
+from dolmus.bench.dataset import BenchRequest, LengthDist, load_sharegpt
+from dolmus.bench.loadgen import Load
+from dolmus.bench.stats import meets_slo, parse_slo
+from dolmus.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TABLE_HEADER = "| run | ok/err | req/s | out tok/s | TTFT p50/p99 ms"
+
+
+def _write_trace(path, n: int, rate: float, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    t = 0.0
+    with open(path, "w") as f:
+        for i in range(n):
+            t += rng.expovariate(rate)
+            tier = "interactive" if i % 3 == 0 else "batch"
+            row = {
+                "timestamp": round(t, 3),
+                "prompt_len": rng.randint(8, 64),
+                "output_len": rng.randint(4, 32),
+                "tier": tier,
+                "app": "chat" if tier == "interactive" else "etl",
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def _check_outputs(out_dir) -> dict:
+    for name in ("latency_cdf.png", "throughput.png", "ttft_vs_load.png"):
+        data = (out_dir / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+    report = (out_dir / "report.md").read_text()
+    assert report.startswith("# ") and TABLE_HEADER in report
+    assert "![latency_cdf](latency_cdf.png)" in report
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def test_bench_figures_agree_with_the_server(tmp_path, capsys) -> None:
+    with RemoteServer(log=tmp_path / "server.log") as server:
+        code = main(
+            [
+                "bench",
+                "--base-url",
+                server.base_url,
+                "--num-requests",
+                "12",
+                "--input-len",
+                "16:48",
+                "--output-len",
+                "8:40",
+                "--concurrency",
+                "1,4",
+                "--slo",
+                "ttft=1,tpot=0.5",
+                "--out",
+                str(tmp_path / "out"),
+                "--no-progress",
+            ]
+        )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "concurrency 1" in printed and "concurrency 4" in printed
+    results = _check_outputs(tmp_path / "out")
+    assert [r["label"] for r in results["runs"]] == ["concurrency 1", "concurrency 4"]
+    for run in results["runs"]:
+        s, server, reqs = run["summary"], run["server"], run["requests"]
+        assert s["requests"] == s["completed"] == len(reqs) == 12 and s["errors"] == 0
+        # Counts: what the client saw is what the server did.
+        assert server["finished_requests"] == 12
+        assert s["output_tokens"] == server["generation_tokens"] == sum(r["output_tokens"] for r in reqs)
+        assert s["prompt_tokens"] == server["prompt_tokens"]
+        assert all(8 <= r["output_tokens"] <= 40 for r in reqs)  # ignore_eos: exactly output-len
+        # Latencies: the client's view is the server's plus the network and HTTP handling.
+        assert server["mean_ttft"] - 0.005 <= s["ttft"]["mean"] <= server["mean_ttft"] + 0.1
+        assert s["tpot"]["mean"] == pytest.approx(server["mean_tpot"], rel=0.5, abs=0.005)
+        assert s["itl"]["mean"] == pytest.approx(server["mean_itl"], rel=0.5, abs=0.005)
+        assert 0 <= server["prefix_cache_hit_rate"] <= 1
+        # Goodput agrees with the per-request records.
+        slo = parse_slo("ttft=1,tpot=0.5")
+        good = sum(
+            1 for r in reqs if r["ok"] and r["ttft"] <= slo["ttft"] and (r["tpot"] or 0) <= slo["tpot"]
+        )
+        assert s["goodput_share"] == pytest.approx(good / 12)
+        assert s["goodput"] == pytest.approx(good / s["duration_s"])
+        assert s["ttft"]["p50"] <= s["ttft"]["p90"] <= s["ttft"]["p95"] <= s["ttft"]["p99"]
+
+
+def test_bench_one_command_sharegpt_and_open_loop_arrivals(tmp_path, capsys) -> None:
+    sharegpt = tmp_path / "sharegpt.json"
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me about the {w}."},
+                {"from": "gpt", "value": "It was a sunny day. " * (i + 1)},
+            ]
+        }
+        for i, w in enumerate(["cat", "dog", "sun", "tree"])
+    ]
+    sharegpt.write_text(json.dumps(convs))
+    code = main(
+        [
+            "bench",
+            "--serve-args",
+            "--max-num-seqs 4",
+            "--dataset",
+            f"sharegpt:{sharegpt}",
+            "--num-requests",
+            "6",
+            "--rate",
+            "20,40",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "rate 20/s" in out and "rate 40/s" in out and "6/0" in out
+
+    code = main(
+        [
+            "bench",
+            "--serve-args",
+            "--max-num-seqs 4",
+            "--num-requests",
+            "6",
+            "--burst",
+            "3:0.2",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--slo",
+            "ttft=10",
+        ]
+    )
+    assert code == 0
+    assert "bursts of 3 every 0.2s" in capsys.readouterr().out
+
+
+def test_arrival_schedules() -> None:
+    reqs = [BenchRequest("x", 1, timestamp=t) for t in (10.0, 10.5, 12.0)]
+    assert Load("concurrency", 4).send_times(reqs) is None
+    assert Load("trace", 2.0).send_times(reqs) == [0.0, 0.25, 1.0]
+    assert Load("burst", 2, interval=5).send_times(reqs) == [0.0, 0.0, 5.0]
+    many = [BenchRequest("x", 1)] * 5000
+    times = Load("rate", 50).send_times(many, seed=1)
+    assert times == Load("rate", 50).send_times(many, seed=1)  # seeded
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.05)
+    assert LengthDist.parse("7") == LengthDist(7, 7) and LengthDist.parse("3:9") == LengthDist(3, 9)
+    with pytest.raises(ValueError):
+        LengthDist.parse("9:3")
+    with pytest.raises(ValueError, match="SLO metric"):
+        parse_slo("latency=1")
+
+
+def test_sharegpt_loader(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(
+        json.dumps(
+            [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "one two three"}]}]
+        )
+    )
+    reqs = load_sharegpt(path, 3)
+    assert [r.prompt for r in reqs] == ["Hi"] * 3 and reqs[0].output_len == 4
+
+
+def test_replay_two_configs_side_by_side_with_tiers(tmp_path, capsys) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace, 18, rate=15)
+    (tmp_path / "tight.yaml").write_text("name: tight\nmax_num_seqs: 2\nmax_num_batched_tokens: 32\n")
+    (tmp_path / "roomy.yaml").write_text("name: roomy\nmax_num_seqs: 32\n")
+    code = main(
+        [
+            "replay",
+            str(trace),
+            "--configs",
+            str(tmp_path / "tight.yaml"),
+            str(tmp_path / "roomy.yaml"),
+            "--slo",
+            "ttft=0.2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [
+        line.strip().split("  ")[0] for line in table[2:] if line.strip() and not line.startswith("wrote")
+    ]
+    assert rows == [
+        "tight",
+        "tight [batch]",
+        "tight [interactive]",
+        "roomy",
+        "roomy [batch]",
+        "roomy [interactive]",
+    ]
+    results = _check_outputs(tmp_path / "out")
+    tight, roomy = results["runs"]
+    assert tight["config"]["max_num_seqs"] == 2 and roomy["config"]["max_num_seqs"] == 32
+    for run in (tight, roomy):
+        assert run["summary"]["completed"] == 18
+        assert run["tiers"]["batch"]["requests"] + run["tiers"]["interactive"]["requests"] == 18
+        assert all(r["queue_time"] is not None for r in run["requests"])
+    # Two seats: batch requests wait behind interactive ones.
+    assert tight["tiers"]["batch"]["ttft"]["mean"] > tight["tiers"]["interactive"]["ttft"]["mean"]
+
+
+def test_replay_rejects_unknown_settings(tmp_path, capsys) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace, 2, rate=10)
+    (tmp_path / "bad.yaml").write_text("max_num_sequences: 4\n")
+    assert main(["replay", str(trace), "--configs", str(tmp_path / "bad.yaml")]) == 2
+    assert "unknown settings" in capsys.readouterr().err
+
+
+def test_tune_within_budget_beats_or_keeps_default(tmp_path, capsys) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace, 16, rate=20)
+    code = main(
+        [
+            "tune",
+            str(trace),
+            "--slo",
+            "ttft=0.05,tpot=0.02",
+            "--budget-minutes",
+            "0.5",
+            "--speed",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    rec = json.loads((tmp_path / "out" / "recommendation.json").read_text())
+    assert rec["elapsed_s"] <= rec["budget_s"] == 30
+    runs = {r["label"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
+    assert "default" in runs and len(runs) >= 2
+    assert runs[rec["best"]]["summary"]["goodput"] >= runs["default"]["summary"]["goodput"]
+    assert f"dolmus serve {rec['flags']}" in printed
+    for run in runs.values():
+        reqs = run["requests"]
+        assert run["summary"]["goodput_share"] == pytest.approx(
+            sum(meets_slo(_as_result(r), parse_slo("ttft=0.05,tpot=0.02")) for r in reqs) / len(reqs)
+        )
+
+
+def _as_result(r: dict):
+    from dolmus.bench.loadgen import RequestResult
+
+    fields = {k: v for k, v in r.items() if k != "tpot"}
+    return RequestResult(**fields)
