@@ -124,6 +124,7 @@ def test_bench_one_command_sharegpt_and_open_loop_arrivals(tmp_path, capsys) -> 
     out = capsys.readouterr().out
     assert "rate 20/s" in out and "rate 40/s" in out and "6/0" in out
 
+    out = tmp_path / "burst"
     code = main(
         [
             "bench",
@@ -138,9 +139,15 @@ def test_bench_one_command_sharegpt_and_open_loop_arrivals(tmp_path, capsys) -> 
             "--no-progress",
             "--slo",
             "ttft=10",
+            "--out",
+            str(out),
+            "--extra-body",
+            '{"max_tokens": 3}',
         ]
     )
     assert code == 0
+    requests = json.loads((out / "results.json").read_text())["runs"][0]["requests"]
+    assert [r["output_tokens"] for r in requests] == [3] * 6  # --extra-body reached the server
     assert "bursts of 3 every 0.2s" in capsys.readouterr().out
 
 

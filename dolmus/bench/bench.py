@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -58,6 +59,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="let EOS end a request early (default: always make output-len tokens)",
     )
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        help='JSON merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'',
+    )
     parser.add_argument("--warmup", type=int, default=2, help="requests sent first and not counted")
     parser.add_argument("--out", default=None, help="write results.json, report.md and PNG plots here")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -99,7 +105,7 @@ def load_requests(
     kind, _, path = args.dataset.partition(":")
     if kind == "sharegpt":
         return load_sharegpt(path, args.num_requests, args.seed)
-    maker = PromptMaker(_tokenizer(args.tokenizer or default_tokenizer), args.seed)
+    maker = PromptMaker(_tokenizer(args.tokenizer or default_tokenizer), args.seed + run_index)
     if kind == "trace":
         return load_trace(path, maker)
     if kind != "synthetic":
@@ -130,7 +136,7 @@ async def _bench(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]
         model = args.model or await _first_model(http, api)
     loads, _ = loads_from_args(args, args.dataset.startswith("trace:"))
     slo = parse_slo(args.slo)
-    client = CompletionsClient(api, model, args.api_key, args.ignore_eos, args.temperature)
+    client = CompletionsClient(api, model, args.api_key, args.ignore_eos, args.temperature, _extra_body(args))
     runs = []
     try:
         for i in range(args.warmup):
@@ -172,6 +178,18 @@ async def _run_with_progress(
         total=len(requests), desc=load.label, unit="req", disable=not args.progress, file=sys.stderr
     ) as bar:
         return await run_load(client.send, requests, load, args.seed, on_done=lambda _: bar.update(1))
+
+
+def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.extra_body:
+        return {}
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return extra
 
 
 async def _first_model(http: httpx.AsyncClient, api: str) -> str:

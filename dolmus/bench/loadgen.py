@@ -1,7 +1,7 @@
 """The load generator: send benchmark requests to an OpenAI-compatible server, timed.
 
 Every request streams from /v1/completions; the client stamps the send time, each chunk that
-carries text, and the end. Arrival processes: a fixed number of requests in flight
+chunk, and the end. Arrival processes: a fixed number of requests in flight
 (closed loop), Poisson arrivals at a rate, bursts of N every T seconds, or a trace's own
 timestamps at a chosen speed (open loop: a slow server does not slow the arrivals).
 """
@@ -30,7 +30,7 @@ class RequestResult:
     ok: bool
     ttft: float | None = None
     e2e: float | None = None
-    itl: list[float] = field(default_factory=list)  # gaps between text-bearing chunks
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
@@ -110,12 +110,14 @@ class CompletionsClient:
         api_key: str | None = None,
         ignore_eos: bool = True,
         temperature: float = 0.0,
+        extra_body: dict[str, Any] | None = None,
         timeout: float = 600.0,
     ) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
         self.ignore_eos = ignore_eos
         self.temperature = temperature
+        self.extra_body = extra_body or {}
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=None)
@@ -137,6 +139,7 @@ class CompletionsClient:
             body["ignore_eos"] = True
         if req.priority is not None:
             body["priority"] = req.priority
+        body.update(self.extra_body)
         headers = dict(self.headers)
         if req.tier:
             headers["X-Priority"] = req.tier
@@ -162,7 +165,9 @@ class CompletionsClient:
                         return result
                     if event.get("usage"):
                         usage = event["usage"]
-                    if any(c.get("text") for c in event.get("choices") or []):
+                    # A chunk with a choice carries a token even when its text is empty (a
+                    # byte of an unfinished character), so it counts for TTFT and ITL.
+                    if event.get("choices"):
                         chunk_times.append(time.perf_counter())
         except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
@@ -173,6 +178,7 @@ class CompletionsClient:
         if chunk_times:
             result.ttft = chunk_times[0] - start
             result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+        # Without a usage chunk (llama-cpp-python), one streamed chunk is taken as one token.
         result.output_tokens = int(usage["completion_tokens"]) if usage else len(chunk_times)
         result.prompt_tokens = int(usage["prompt_tokens"]) if usage else req.prompt_len or 0
         return result
