@@ -83,6 +83,7 @@ def test_bench_figures_agree_with_the_server(tmp_path, capsys) -> None:
         assert server["mean_ttft"] - 0.005 <= s["ttft"]["mean"] <= server["mean_ttft"] + 0.1
         assert s["tpot"]["mean"] == pytest.approx(server["mean_tpot"], rel=0.5, abs=0.005)
         assert s["itl"]["mean"] == pytest.approx(server["mean_itl"], rel=0.5, abs=0.005)
+        assert server["mean_e2e"] - 0.005 <= s["e2e"]["mean"] <= server["mean_e2e"] + 0.1
         assert 0 <= server["prefix_cache_hit_rate"] <= 1
         # Goodput agrees with the per-request records.
         slo = parse_slo("ttft=1,tpot=0.5")
