@@ -219,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
             server.stop()
     print(text_table(runs))
     if args.out:
-        _, x_label = loads_from_args(args, args.dataset.startswith("trace:"))
+        x_label = loads_from_args(args, args.dataset.startswith("trace:"))[1]
         command = "dolmus " + " ".join(shlex.quote(a) for a in args.argv)
         files = write_outputs(args.out, "dolmus bench", command, runs, x_label)
         print(f"wrote {', '.join(str(f) for f in files)}")

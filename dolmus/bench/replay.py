@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import itertools
 import shlex
 import sys
 import time
@@ -79,7 +80,7 @@ async def replay_engine(
     """Replay `requests` at their timestamps against a fresh engine built from `config`."""
     engine = AsyncEngine(await asyncio.to_thread(Engine, config.engine_config(model)))
     engine.start()
-    counter = iter(range(1 << 62))
+    counter = itertools.count()
     try:
         await _generate(engine, next(counter), BenchRequest([1, 2, 3, 4], 4), config)  # warm-up
 
