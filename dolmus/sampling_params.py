@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dolmus.structured.spec import StructuredOutput
+
 _GREEDY_EPS = 1e-5
 
 
@@ -29,6 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives besides the chosen token
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # JSON schema, regex, grammar or choice
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,9 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.structured_output is not None and self.min_tokens:
+            # The grammar may allow nothing but EOS while min_tokens forbids it.
+            raise bad("min_tokens", "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,8 @@ from dolmus.engine.scheduler import Scheduler
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime.model_runner import ModelRunner
 from dolmus.sampling_params import SamplingParams
+from dolmus.structured.backend import GrammarCache
+from dolmus.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of requests that got their first token (cached included)
     generation_tokens: int
     num_preempted_waiting: int = 0  # preempted requests waiting to be recomputed
+    structured_requests: int = 0  # requests with structured output since start
     # Wall time spent in steps, split between prompt and output work by each step's token mix;
     # the server turns these into cost per token.
     busy_prefill_seconds: float = 0.0
@@ -92,6 +95,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.resolve_batched_tokens(self.device), self.max_model_len
         )
+        self.grammars = GrammarCache(lambda: XGrammarBackend(self.tokenizer, mc.vocab_size, mc.eos_token_ids))
+        self._structured_requests = 0
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, str] = {}  # sequence id -> user request id
         self._prompt_tokens = 0
@@ -155,6 +160,10 @@ class Engine:
         for child in children:
             if child.request_id in self._owner:
                 raise ValueError(f"request_id {child.request_id!r} is already in use")
+        if params.structured_output is not None:
+            for child in children:  # compiled once (cached); a bad spec raises ValueError here
+                child.grammar = self.grammars.new_state(params.structured_output)
+            self._structured_requests += 1
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children]
         self._groups[request_id] = _Group(request_id, prompt_text, prompt_ids, children, detoks)
         for child in children:
@@ -298,6 +307,7 @@ class Engine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_preempted_waiting=self.scheduler.num_preempted_waiting,
+            structured_requests=self._structured_requests,
             busy_prefill_seconds=self._busy_prefill,
             busy_decode_seconds=self._busy_decode,
             finished=dict(self._finished_by_reason),

@@ -54,6 +54,11 @@ class EngineMetrics:
             _TOKEN_BUCKETS,
         )
         self.e2e = hist("dolmus:e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.grammar_compile = hist(
+            "dolmus:grammar_compile_seconds",
+            "Compile time of each distinct structured-output spec.",
+            (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
         self.queue = hist(
             "dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
         )
@@ -117,6 +122,7 @@ class _StatsCollector(Collector):
             "dolmus:prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens
         )
         yield counter("dolmus:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("dolmus:structured_requests", "Requests with structured output.", s.structured_requests)
         yield counter(
             "dolmus:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",

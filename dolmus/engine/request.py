@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from dolmus.sampling_params import SamplingParams
+from dolmus.structured.backend import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -108,6 +109,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.timings = RequestTimings(arrival=arrival_time or time.monotonic())
+        self.grammar: GrammarState | None = None  # set by the engine for structured output
 
     @property
     def num_tokens(self) -> int:
@@ -136,6 +138,9 @@ class Request:
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions; stop strings are the detokenizer's business."""
         last = self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated:
+            self.stop_reason = None if last in self.eos_token_ids else last
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.min_tokens and last in self.stop_token_ids:
             self.stop_reason = None if last in self.eos_token_ids else last
             return RequestStatus.FINISHED_STOPPED

@@ -13,11 +13,14 @@ Order of business every step:
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass, field
 
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus, SampledToken
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -196,6 +199,14 @@ class Scheduler:
             if token is None:
                 continue
             request.append_token(token.token_id, now)
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                # Cannot happen while the sampler applies the mask; never take the batch down.
+                logger.error(
+                    "%s: token %d is outside its grammar; aborted", request.request_id, token.token_id
+                )
+                updated.append(request)
+                self.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+                continue
             if request.logprobs is not None and token.top_logprobs is not None:
                 request.logprobs.append(token.top_logprobs)
             if token.logprob is not None:

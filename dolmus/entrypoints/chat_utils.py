@@ -23,6 +23,7 @@ def render_chat(
     messages: list[dict[str, Any]],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of the rendered conversation (special tokens come from the template)."""
     if not isinstance(messages, list) or not messages:
@@ -33,7 +34,11 @@ def render_chat(
     template = chat_template or getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
     try:
         text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            tools=tools,
         )
     except Exception as exc:  # jinja errors, sandbox violations
         raise ValueError(f"chat template failed to render: {exc}") from exc

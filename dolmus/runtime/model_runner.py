@@ -227,6 +227,7 @@ class ModelRunner:
             prompt_ids=r.prompt_token_ids,
             output_ids=r.output_token_ids,
             stop_ids=sorted(r.stop_token_ids),
+            grammar=r.grammar,
         )
 
 

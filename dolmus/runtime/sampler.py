@@ -14,6 +14,7 @@ import torch
 
 from dolmus.engine.request import SampledToken
 from dolmus.sampling_params import SamplingParams
+from dolmus.structured.backend import GrammarState, apply_bitmask, bitmask_words
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: list[int]  # tokens forbidden until min_tokens are out
+    grammar: GrammarState | None = None  # structured output: allowed tokens for this step
 
 
 class Sampler:
@@ -33,7 +35,10 @@ class Sampler:
         """logits: [len(rows), vocab] in the model's dtype."""
         want_logprobs = [r.params.logprobs for r in rows]
         plain_greedy = all(
-            r.params.greedy and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens
+            r.params.greedy
+            and not r.params.has_penalties
+            and len(r.output_ids) >= r.params.min_tokens
+            and r.grammar is None
             for r in rows
         )
         if plain_greedy and all(k is None for k in want_logprobs):
@@ -44,6 +49,7 @@ class Sampler:
             torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         )
         self._apply_processors(logits, rows)
+        self._apply_grammars(logits, rows)
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
@@ -88,6 +94,16 @@ class Sampler:
             if out.numel() and (p.presence_penalty or p.frequency_penalty):
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            return
+        bitmask = torch.full((len(rows), bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)
+        for i in constrained:
+            rows[i].grammar.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+        apply_bitmask(logits, bitmask, constrained)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)

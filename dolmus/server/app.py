@@ -60,6 +60,7 @@ class ServerState:
             return
         metrics = EngineMetrics(self.model_name, lambda: async_engine.stats, self.server_config.gpu_hour_cost)
         async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+        engine.grammars.on_compiled = metrics.grammar_compile.observe
         async_engine.start()
         self.metrics = metrics
         self.engine = async_engine

@@ -22,6 +22,11 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
+
+
 class _SamplingFields(_Body):
     model: str | None = None
     n: int = 1
@@ -45,6 +50,12 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None  # lower runs first; overrides the X-Priority header
+    # Structured output: OpenAI's response_format, or vLLM's guided_* extras (one at most).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -64,10 +75,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-
-
-class ResponseFormat(_Body):
-    type: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -77,9 +86,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):

@@ -25,6 +25,8 @@ from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.errors import APIError, error_body
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from dolmus.server.tools import TOOL_CALL_OPEN, ToolPlan, extract_calls, held_back, plan_tools, tool_call
+from dolmus.structured.spec import StructuredOutput
 
 _DISCONNECT_POLL_S = 0.2
 
@@ -110,7 +112,10 @@ class OpenAIServing:
 
     @staticmethod
     def _params(
-        body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(
@@ -140,6 +145,7 @@ class OpenAIServing:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
+                structured_output=structured,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
@@ -150,7 +156,8 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        params = self._params(body, body.max_tokens, body.logprobs)
+        structured = await self._structured(body)
+        params = self._params(body, body.max_tokens, body.logprobs, structured)
         texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
             self._check_length(ids, body.max_tokens, "max_tokens")
@@ -275,17 +282,15 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, priority: int, raw: Request) -> Any:
         self.check_model(body.model)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(
-                400, "response_format other than text is not supported yet", param="response_format"
-            )
-        if body.tools:
-            raise APIError(400, "tools are not supported yet", param="tools")
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        structured = await self._structured(body, plan.structured if plan else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        ids = await self.render(body.messages, body.add_generation_prompt)
+        params = self._params(
+            body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, structured
+        )
+        ids = await self.render(body.messages, body.add_generation_prompt, plan.tools if plan else None)
         self._check_length(
             ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
@@ -293,20 +298,28 @@ class OpenAIServing:
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._chat_events(job, include_usage))
+            return _sse(self._chat_events(job, include_usage, plan))
         outputs = await self._collect(job, raw)
         if outputs is None:
             return None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c, 0, len(c.token_ids), params),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in outputs[0].outputs
-        ]
+        choices = []
+        for c in outputs[0].outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if plan is not None and plan.mode != "none":
+                message["content"], calls = extract_calls(plan, c.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls"
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._chat_logprobs(c, 0, len(c.token_ids), params),
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": job.request_id,
@@ -318,16 +331,23 @@ class OpenAIServing:
             }
         )
 
-    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        plain = [{"role": m.role, "content": _text_content(m)} for m in messages]
+    async def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        plain = [_template_message(m) for m in messages]
         try:
             return await asyncio.to_thread(
-                render_chat, self.tokenizer, plain, self.chat_template, add_generation_prompt
+                render_chat, self.tokenizer, plain, self.chat_template, add_generation_prompt, tools
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
 
-    async def _chat_events(self, job: _Job, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_events(
+        self, job: _Job, include_usage: bool, plan: ToolPlan | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         n = job.params.n
         usage_field = {"usage": None} if include_usage else {}
         for i in range(n):
@@ -339,6 +359,7 @@ class OpenAIServing:
             }
             yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
         sent = [0] * n
+        tool_streams = [_ToolStream(plan) for _ in range(n)] if plan and plan.mode != "none" else None
         last: RequestOutput | None = None
         async for _, out in self._stream(job):
             last = out
@@ -347,14 +368,23 @@ class OpenAIServing:
                     continue
                 start, end = sent[c.index], len(c.token_ids)
                 sent[c.index] = -1 if c.finished else end
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text_delta} if c.text_delta else {},
-                    "logprobs": self._chat_logprobs(c, start, end, job.params),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
+                logprobs = self._chat_logprobs(c, start, end, job.params)
+                if tool_streams is None:
+                    deltas = [{"content": c.text_delta}] if c.text_delta else []
+                    finish = c.finish_reason
+                else:
+                    deltas, finish = tool_streams[c.index].feed(c.text_delta, c.finish_reason)
+                for k, delta in enumerate(deltas or [{}]):
+                    done = k == max(len(deltas), 1) - 1
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": logprobs if k == 0 else None,
+                        "finish_reason": finish if done else None,
+                        "stop_reason": c.stop_reason if done else None,
+                    }
+                    if delta or done and finish:
+                        yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
         if include_usage and last is not None:
             yield self._chunk_envelope(job, "chat.completion.chunk", [], usage=_usage(job, [last]))
 
@@ -376,6 +406,46 @@ class OpenAIServing:
         return {"content": content}
 
     # -- running jobs ---------------------------------------------------------------------
+
+    async def _structured(
+        self, body: CompletionRequest | ChatCompletionRequest, from_tools: StructuredOutput | None = None
+    ) -> StructuredOutput | None:
+        """The request's output constraint, compiled now (in a worker thread, cached) so a bad
+        schema is a 400 here and the engine only ever sees compiled grammars."""
+        given: list[tuple[str, StructuredOutput]] = []
+        try:
+            rf = body.response_format
+            if rf is not None and rf.type == "json_object":
+                given.append(("response_format", StructuredOutput.json_object()))
+            elif rf is not None and rf.type == "json_schema":
+                schema = (rf.json_schema or {}).get("schema")
+                if schema is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                given.append(("response_format", StructuredOutput.json_schema(schema)))
+            if body.guided_json is not None:
+                given.append(("guided_json", StructuredOutput.json_schema(body.guided_json)))
+            if body.guided_regex is not None:
+                given.append(("guided_regex", StructuredOutput.regex(body.guided_regex)))
+            if body.guided_grammar is not None:
+                given.append(("guided_grammar", StructuredOutput.grammar(body.guided_grammar)))
+            if body.guided_choice is not None:
+                given.append(("guided_choice", StructuredOutput.choice(body.guided_choice)))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=given[-1][0] if given else "response_format") from exc
+        if from_tools is not None:
+            given.append(("tool_choice", from_tools))
+        if len(given) > 1:
+            raise APIError(
+                400, f"give one output constraint, not {', '.join(n for n, _ in given)}", param=given[1][0]
+            )
+        if not given:
+            return None
+        param, spec = given[0]
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from exc
+        return spec
 
     def _chunk_envelope(self, job: _Job, obj: str, choices: list[Any], **fields: Any) -> dict[str, Any]:
         """One streamed event; `fields` adds top-level keys such as `usage`."""
@@ -506,6 +576,60 @@ def _usage(job: _Job, outputs: list[RequestOutput]) -> dict[str, Any]:
 
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
+
+
+class _ToolStream:
+    """Turns one choice's streamed text into OpenAI tool-call deltas.
+
+    A named function's arguments stream as they are made; for "required" and "auto" the
+    calls are parsed once the choice finishes ("auto" streams plain content until a
+    `<tool_call>` tag starts, holding back what could be the start of one).
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.streamed = 0  # characters of text already sent as content
+        self.in_call = False
+        self.call: dict[str, Any] | None = None
+
+    def feed(self, delta: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        self.text += delta
+        out: list[dict[str, Any]] = []
+        if self.plan.mode == "named":
+            if self.call is None:
+                self.call = tool_call(self.plan.name or "", "")
+                out.append({"tool_calls": [{"index": 0, **self.call}]})
+            if delta:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
+            return out, "tool_calls" if finish else None
+        if self.plan.mode == "auto" and not self.in_call:
+            at = self.text.find(TOOL_CALL_OPEN, self.streamed)
+            self.in_call = at >= 0
+            end = at if self.in_call else len(self.text) - (0 if finish else held_back(self.text))
+            if end > self.streamed:
+                out.append({"content": self.text[self.streamed : end]})
+                self.streamed = end
+        if not finish:
+            return out, None
+        content, calls = extract_calls(self.plan, self.text)
+        if not calls:
+            rest = self.text[self.streamed :]
+            return out + ([{"content": rest}] if rest else []), finish
+        out += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
+        return out, "tool_calls"
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """The message as chat templates expect it (tool calls and results passed through)."""
+    out: dict[str, Any] = {"role": m.role, "content": _text_content(m)}
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
 
 
 def _text_content(message: ChatMessage) -> str:

@@ -1,0 +1,125 @@
+"""Tool calling for chat completions: what `tools` + `tool_choice` ask of the output,
+and turning the generated text back into OpenAI `tool_calls`.
+
+- "none": plain text; tools still reach the chat template.
+- a named function: the output is constrained to that function's parameter schema and
+  becomes one call of it.
+- "required": the output is constrained to a JSON array of one or more
+  {"name": <one of the tools>, "arguments": <its parameters>} objects (exactly one with
+  `parallel_tool_calls: false`).
+- "auto" (the default when tools are given): unconstrained; calls are parsed from the
+  Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dolmus.server.errors import APIError
+from dolmus.structured.spec import StructuredOutput
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    tools: list[dict[str, Any]]
+    name: str | None = None
+    structured: StructuredOutput | None = None
+
+
+def plan_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool = True,
+) -> ToolPlan | None:
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    by_name: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise APIError(
+                400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", param="tools"
+            )
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        by_name[fn["name"]] = params
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice in ("none", "auto"):
+        return ToolPlan(choice, tools)
+    if choice == "required":
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, params in by_name.items()
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return ToolPlan("required", tools, structured=StructuredOutput.json_schema(schema))
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in by_name:
+            raise APIError(
+                400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice"
+            )
+        return ToolPlan("named", tools, name, StructuredOutput.json_schema(by_name[name]))
+    raise APIError(
+        400, "tool_choice must be none, auto, required or {'type': 'function', ...}", param="tool_choice"
+    )
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) from a finished completion's text."""
+    if plan.mode == "named":
+        return None, [tool_call(plan.name or "", text)]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut off by max_tokens: give back the text as it is
+        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+    if plan.mode == "auto":
+        calls = []
+        for block in _TOOL_CALL.findall(text):
+            try:
+                data = json.loads(block)
+                calls.append(
+                    tool_call(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
+                )
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # not a well-formed call: it stays in the content
+        if calls:
+            content = _TOOL_CALL.sub("", text).strip()
+            return content or None, calls
+    return text, []
+
+
+def held_back(text: str) -> int:
+    """How many trailing characters may be the start of a `<tool_call>` tag (auto streaming)."""
+    for n in range(min(len(TOOL_CALL_OPEN), len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,101 @@
+"""The contract between the engine and a grammar library, and the compiled-grammar cache.
+
+A backend compiles a StructuredOutput into a grammar and makes per-request matcher states.
+A state fills its row of a token bitmask (int32 words, bit set = token allowed, the format
+xgrammar and llguidance share) and advances with each accepted token. Compiling is the
+expensive part (milliseconds to seconds for large schemas), so the cache compiles each
+distinct spec once; the server compiles in a worker thread before a request reaches the
+engine, so the step loop only ever finds compiled grammars.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from dolmus.structured.spec import StructuredOutput
+
+
+class GrammarState(Protocol):
+    def accept(self, token_id: int) -> bool: ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend(ABC):
+    @abstractmethod
+    def compile(self, spec: StructuredOutput) -> Any:
+        """A compiled grammar; raises ValueError naming what is wrong with the spec."""
+
+    @abstractmethod
+    def new_state(self, compiled: Any) -> GrammarState: ...
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf the logits of tokens whose bit is clear, in the given rows (in place)."""
+    vocab = logits.shape[-1]
+    words = bitmask[rows]
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+class GrammarCache:
+    """Compiles each distinct spec once (thread-safe) and hands out fresh matcher states."""
+
+    def __init__(
+        self,
+        backend_factory: Callable[[], GrammarBackend],
+        on_compiled: Callable[[float], None] | None = None,
+    ) -> None:
+        self._factory = backend_factory
+        self._backend: GrammarBackend | None = None
+        self._compiled: dict[StructuredOutput, Any] = {}
+        self._lock = threading.Lock()
+        self.on_compiled = on_compiled
+        self.compile_seconds: list[float] = []
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:  # built on first use: the library loads only if needed
+                self._backend = self._factory()
+            return self._backend
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        compiled = self._compiled.get(spec)
+        if compiled is not None:
+            return compiled
+        backend = self._get_backend()
+        start = time.perf_counter()
+        compiled = backend.compile(spec)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            if spec not in self._compiled:
+                self._compiled[spec] = compiled
+                self.compile_seconds.append(elapsed)
+                if self.on_compiled is not None:
+                    self.on_compiled(elapsed)
+            return self._compiled[spec]
+
+    def new_state(self, spec: StructuredOutput) -> GrammarState:
+        return self._get_backend().new_state(self.compile(spec))
+
+
+def clean_error(exc: BaseException) -> str:
+    """A library's error without its source-location prefix ("[12:00:01] path.cc:12: ")."""
+    text = str(exc).strip()
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text).strip()
