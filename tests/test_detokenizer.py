@@ -63,3 +63,14 @@ def test_cost_window_stays_small(tok):
         detok.text
         == tok.decode(tok.encode("Once" + " upon a time there was a cat" * 40), skip_special_tokens=True)[4:]
     )
+
+
+def test_prompt_ending_inside_a_character_does_not_spoil_output_bytes(tok):
+    vocab = tok.get_vocab()
+    byte = {b: vocab[f"<0x{b:02X}>"] for b in (0xD0, 0x7B, 0x22, 0x6E, 0x61)}
+    prompt = [1, vocab["▁Once"], byte[0xD0]]  # ends with the lead byte of a 2-byte character
+    output = [byte[0x7B], byte[0x22], byte[0x6E], byte[0x61], vocab["m"]]  # '{"na' as bytes, then 'm'
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    for t in output:
+        detok.add_tokens([t])
+    assert detok.take_delta(True) == '{"nam' == tok.decode(output)

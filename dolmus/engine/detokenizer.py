@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            # The prompt ends inside a character: byte-fallback decoding would fuse its stray
+            # bytes with the output's first bytes and spoil both, so decode without context.
+            self.ids = []
         self.read_offset = len(self.ids)
         self.prefix_offset = 0
         self.text = ""  # everything decoded so far (after a stop string: truncated there)

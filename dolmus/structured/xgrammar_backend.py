@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dolmus.structured.backend import GrammarBackend, GrammarState, clean_error
+from dolmus.structured.backend import GrammarBackend, GrammarState, bitmask_words, clean_error
 from dolmus.structured.spec import StructuredOutput
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    grammar: Any  # xgrammar.CompiledGrammar
+    is_json: bool
 
 
 class XGrammarBackend(GrammarBackend):
@@ -20,36 +27,59 @@ class XGrammarBackend(GrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._no_control = _no_control_mask(info.decoded_vocab, vocab_size, set(stop_token_ids))
 
-    def compile(self, spec: StructuredOutput) -> Any:
+    def compile(self, spec: StructuredOutput) -> _Compiled:
         try:
             if spec.kind == "json_schema":
                 # Compact JSON: a model cannot stall in endless whitespace.
-                return self._compiler.compile_json_schema(spec.definition, any_whitespace=False)
-            if spec.kind == "json_object":  # as OpenAI means it: an object, compact
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.definition)
-            if spec.kind == "grammar":
-                return self._compiler.compile_grammar(spec.definition)
-            alternatives = " | ".join(json.dumps(o, ensure_ascii=False) for o in spec.options)
-            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+                grammar = self._compiler.compile_json_schema(spec.definition, any_whitespace=False)
+            elif spec.kind == "json_object":  # as OpenAI means it: an object
+                grammar = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif spec.kind == "regex":
+                grammar = self._compiler.compile_regex(spec.definition)
+            elif spec.kind == "grammar":
+                grammar = self._compiler.compile_grammar(spec.definition)
+            else:
+                alternatives = " | ".join(json.dumps(o, ensure_ascii=False) for o in spec.options)
+                grammar = self._compiler.compile_grammar(f"root ::= {alternatives}")
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"invalid {spec.kind}: {clean_error(exc)}") from None
+        return _Compiled(grammar, spec.kind in ("json_schema", "json_object"))
 
-    def new_state(self, compiled: Any) -> GrammarState:
-        return _XGrammarState(self._xgr.GrammarMatcher(compiled))
+    def new_state(self, compiled: _Compiled) -> GrammarState:
+        return _XGrammarState(
+            self._xgr.GrammarMatcher(compiled.grammar), self._no_control if compiled.is_json else None
+        )
+
+
+def _no_control_mask(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:
+    """Bitmask words allowing every token without a raw control byte (stop tokens kept).
+
+    xgrammar's JSON strings admit raw control characters, which JSON forbids (they must be
+    escaped); compact JSON needs none anywhere, so JSON states drop those tokens.
+    """
+    words = bitmask_words(vocab_size)
+    allowed = torch.ones(words * 32, dtype=torch.int64)
+    for i, piece in enumerate(decoded_vocab[:vocab_size]):
+        if i not in keep and any(b < 0x20 for b in piece):
+            allowed[i] = 0
+    packed = (allowed.reshape(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 class _XGrammarState:
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, extra_mask: torch.Tensor | None) -> None:
         self._matcher = matcher
+        self._extra_mask = extra_mask
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._extra_mask is not None:
+            bitmask[row] &= self._extra_mask
 
     @property
     def is_terminated(self) -> bool:

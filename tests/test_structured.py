@@ -1,0 +1,147 @@
+"""Structured output on a random-weight model: whatever the noise, the output must parse."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from dolmus import LLM, SamplingParams
+from dolmus.structured import StructuredOutput
+from helpers import random_prompts
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["positive", "negative", "neutral"]
+# A bounded arithmetic language (bounded so that even noise must finish it).
+ARITHMETIC = """
+root ::= expr
+expr ::= term (op term){0,2}
+term ::= num | "(" inner ")"
+inner ::= num (op num){0,2}
+op ::= "+" | "-" | "*"
+num ::= [1-9] [0-9]{0,2} | "0"
+"""
+
+_PY_ARITH = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    try:  # grammar: a Python parse of the arithmetic, with nothing but + - * and integers
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    return all(isinstance(node, _PY_ARITH) for node in ast.walk(tree))
+
+
+SPECS = {
+    "json_schema": StructuredOutput.json_schema(SCHEMA),
+    "regex": StructuredOutput.regex(REGEX),
+    "choice": StructuredOutput.choice(CHOICES),
+    "grammar": StructuredOutput.grammar(ARITHMETIC),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(model=str(llama_dir), dtype="float32")
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_fifty_requests_per_kind_validate(llm: LLM, kind: str) -> None:
+    spec = SPECS[kind]
+    prompts = random_prompts(lengths=[5 + i % 23 for i in range(50)], seed=len(kind))
+    sampled = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_output=spec) for i in range(50)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=256, structured_output=spec)
+    unconstrained = llm.generate(prompts[:5], SamplingParams(temperature=1.0, seed=0, max_tokens=40))
+    assert not all(_valid(kind, o.outputs[0].text) for o in unconstrained)  # the model alone is noise
+    for outs in (llm.generate(prompts, sampled), llm.generate(prompts, greedy)):
+        texts = [o.outputs[0].text for o in outs]
+        bad = [t for t in texts if not _valid(kind, t)]
+        assert not bad, bad[:3]
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert llm.engine.stats().structured_requests >= 100
+
+
+def test_n_samples_each_follow_the_grammar(llm: LLM) -> None:
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=256, structured_output=SPECS["json_schema"]
+    )
+    out = llm.generate([[1, 50, 60, 70]], params)[0]
+    assert len(out.outputs) == 4
+    assert all(_valid("json_schema", c.text) for c in out.outputs)
+    assert len({c.text for c in out.outputs}) > 1
+
+
+def test_unconstrained_neighbours_are_untouched(llm: LLM) -> None:
+    prompts = random_prompts(lengths=(4, 9, 17, 30, 6, 12), seed=21)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+    mixed_params = [
+        plain
+        if i % 2 == 0
+        else SamplingParams(temperature=0, max_tokens=64, structured_output=SPECS["regex"])
+        for i in range(len(prompts))
+    ]
+    mixed = llm.generate(prompts, mixed_params)
+    for i, out in enumerate(mixed):
+        if i % 2 == 0:
+            assert out.outputs[0].token_ids == alone[i]
+        else:
+            assert _valid("regex", out.outputs[0].text)
+
+
+def test_grammar_survives_preemption_chunked_prefill_and_prefix_cache(llama_dir) -> None:
+    prompts = random_prompts(lengths=(40, 33, 50, 21, 45, 38), seed=5, prefix=list(range(10, 42)))
+    params = SamplingParams(temperature=0.0, max_tokens=256, structured_output=SPECS["json_schema"])
+    ref = [o.outputs[0].text for o in LLM(model=str(llama_dir), dtype="float32").generate(prompts, params)]
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers * k/v * kv_heads * head_dim * fp32 * tokens
+    tight = LLM(
+        model=str(llama_dir), dtype="float32", kv_cache_memory=24 * per_block, max_num_batched_tokens=29
+    )
+    got = [o.outputs[0].text for o in tight.generate(prompts, params)]
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert got == ref
+    assert all(_valid("json_schema", t) for t in got)
+
+
+def test_bad_specs_are_clear_errors(llm: LLM) -> None:
+    for spec, words in (
+        (StructuredOutput.json_schema({"type": "objectx"}), "invalid json_schema"),
+        (StructuredOutput.regex("[a-"), "invalid regex"),
+        (StructuredOutput.grammar("root ::= missing_rule"), "invalid grammar"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            llm.generate(["Hi"], SamplingParams(structured_output=spec))
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        StructuredOutput.json_schema("{not json")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_output=SPECS["regex"])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason is not None
