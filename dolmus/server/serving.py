@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.errors import APIError, error_body
-from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
 from dolmus.server.tools import TOOL_CALL_OPEN, ToolPlan, extract_calls, held_back, plan_tools, tool_call
 from dolmus.structured.spec import StructuredOutput
 
@@ -412,26 +412,22 @@ class OpenAIServing:
     ) -> StructuredOutput | None:
         """The request's output constraint, compiled now (in a worker thread, cached) so a bad
         schema is a 400 here and the engine only ever sees compiled grammars."""
+        rf = body.response_format
+        makers: list[tuple[str, Any, Callable[[Any], StructuredOutput]]] = [
+            ("response_format", rf if rf and rf.type != "text" else None, _from_response_format),
+            ("guided_json", body.guided_json, StructuredOutput.json_schema),
+            ("guided_regex", body.guided_regex, StructuredOutput.regex),
+            ("guided_grammar", body.guided_grammar, StructuredOutput.grammar),
+            ("guided_choice", body.guided_choice, StructuredOutput.choice),
+        ]
         given: list[tuple[str, StructuredOutput]] = []
-        try:
-            rf = body.response_format
-            if rf is not None and rf.type == "json_object":
-                given.append(("response_format", StructuredOutput.json_object()))
-            elif rf is not None and rf.type == "json_schema":
-                schema = (rf.json_schema or {}).get("schema")
-                if schema is None:
-                    raise ValueError("response_format json_schema needs json_schema.schema")
-                given.append(("response_format", StructuredOutput.json_schema(schema)))
-            if body.guided_json is not None:
-                given.append(("guided_json", StructuredOutput.json_schema(body.guided_json)))
-            if body.guided_regex is not None:
-                given.append(("guided_regex", StructuredOutput.regex(body.guided_regex)))
-            if body.guided_grammar is not None:
-                given.append(("guided_grammar", StructuredOutput.grammar(body.guided_grammar)))
-            if body.guided_choice is not None:
-                given.append(("guided_choice", StructuredOutput.choice(body.guided_choice)))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=given[-1][0] if given else "response_format") from exc
+        for param, value, make in makers:
+            if value is None:
+                continue
+            try:
+                given.append((param, make(value)))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=param) from exc
         if from_tools is not None:
             given.append(("tool_choice", from_tools))
         if len(given) > 1:
@@ -618,6 +614,15 @@ class _ToolStream:
             return out + ([{"content": rest}] if rest else []), finish
         out += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
         return out, "tool_calls"
+
+
+def _from_response_format(rf: ResponseFormat) -> StructuredOutput:
+    if rf.type == "json_object":
+        return StructuredOutput.json_object()
+    schema = (rf.json_schema or {}).get("schema")
+    if schema is None:
+        raise ValueError("response_format json_schema needs json_schema.schema")
+    return StructuredOutput.json_schema(schema)
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
