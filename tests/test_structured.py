@@ -8,9 +8,12 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from dolmus import LLM, SamplingParams
+from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.structured import StructuredOutput
+from dolmus.structured.backend import apply_bitmask
 from helpers import random_prompts
 
 SCHEMA = {
@@ -145,3 +148,72 @@ def test_bad_specs_are_clear_errors(llm: LLM) -> None:
         SamplingParams(min_tokens=2, structured_output=SPECS["regex"])
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate(["Hi"], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason is not None
+
+
+class _FixedMask:
+    """A GrammarState with a fixed allowed set: enough to test how the sampler enforces it."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bits = torch.zeros(bitmask.shape[1] * 32, dtype=torch.int64)
+        bits[: len(self.allowed)] = self.allowed.long()
+        packed = (bits.reshape(-1, 32) << torch.arange(32)).sum(1)
+        bitmask[row] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self.allowed[token_id])
+
+    is_terminated = False
+
+
+def test_bitmask_kernels_agree_with_the_bits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.rand(4, 100, generator=gen) < 0.3
+    bitmask = torch.empty(4, 4, dtype=torch.int32)
+    for i in range(4):
+        _FixedMask(allowed[i]).fill_bitmask(bitmask, i)
+    logits = torch.randn(4, 100, generator=gen)
+    fast = logits.clone()
+    apply_bitmask(fast, bitmask)  # xgrammar's kernel
+    slow = logits.clone().t().contiguous().t()  # not contiguous: the torch fallback
+    apply_bitmask(slow, bitmask)
+    expected = logits.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(fast, expected) and torch.equal(slow, expected)
+
+
+def test_checking_the_unmasked_choice_first_equals_masking_first() -> None:
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 300, 16
+    logits = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
+    allowed = torch.rand(n, vocab, generator=gen) < 0.2
+    allowed[:4, logits[:4].float().argmax(-1)] = True  # some rows' top token is allowed, some not
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    rows = [
+        SamplingRow(
+            SamplingParams(temperature=0.0, top_k=5 if i % 5 == 0 else 0),
+            None,
+            [],
+            [],
+            [],
+            _FixedMask(allowed[i]),
+        )
+        for i in range(n)
+    ]
+    got = [t.token_id for t in sampler(logits, rows)]
+    expected = logits.float().masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+    assert got == expected
+    sampled = [
+        SamplingRow(
+            SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0),
+            None,
+            [],
+            [],
+            [],
+            _FixedMask(allowed[i]),
+        )
+        for i in range(n)
+    ]
+    for _ in range(20):
+        assert all(allowed[i, t.token_id] for i, t in enumerate(sampler(logits, sampled)))

@@ -34,27 +34,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """logits: [len(rows), vocab] in the model's dtype."""
         want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = None
         plain_greedy = all(
-            r.params.greedy
-            and not r.params.has_penalties
-            and len(r.output_ids) >= r.params.min_tokens
-            and r.grammar is None
+            r.params.greedy and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens
             for r in rows
         )
         if plain_greedy and all(k is None for k in want_logprobs):
             # Fast path: argmax needs no float copy of a [batch, vocab] tensor.
-            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
-        logits = logits.float()
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        )
-        self._apply_processors(logits, rows)
-        self._apply_grammars(logits, rows)
-        if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(dim=-1)
+            token_list = logits.argmax(dim=-1).tolist()
         else:
-            tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
+            processed = logits.float()
+            if any(k is not None for k in want_logprobs):
+                raw_logprobs = torch.log_softmax(processed, dim=-1)
+            token_list = self._choose(processed, rows)
+        if any(r.grammar is not None for r in rows):
+            self._enforce_grammars(logits, rows, token_list)
         if raw_logprobs is None:
             return [SampledToken(t) for t in token_list]
         return [
@@ -95,15 +89,40 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
-    @staticmethod
-    def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Tokens from float logits: processors, then greedy or sampling (modifies logits)."""
+        self._apply_processors(logits, rows)
+        if all(r.params.greedy for r in rows):
+            return logits.argmax(dim=-1).tolist()
+        return self._sample(logits, rows).tolist()
+
+    def _enforce_grammars(self, logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> None:
+        """Replace tokens their grammar forbids by a choice among the allowed ones.
+
+        Masking a full-vocabulary row costs far more than checking one bit, so the unmasked
+        choice is checked first. Where it is allowed it is exactly what masking first would
+        give: the argmax over all tokens (of logits, or of probs / noise when sampling) lies
+        in the allowed set, so it is also the argmax there. Rows with top-k/top-p/min-p
+        (which depend on the whole distribution) and rows whose choice is forbidden are
+        chosen again from masked logits; for sampled rows that draw is from the masked
+        distribution, which is what rejection of a forbidden first draw calls for.
+        """
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if not constrained:
+        bitmask = torch.empty((len(constrained), bitmask_words(logits.shape[-1])), dtype=torch.int32)
+        for j, i in enumerate(constrained):
+            rows[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+        redo = [
+            j
+            for j, i in enumerate(constrained)
+            if _truncates(rows[i].params) or not (int(bitmask[j, tokens[i] >> 5]) >> (tokens[i] & 31)) & 1
+        ]
+        if not redo:
             return
-        bitmask = torch.full((len(rows), bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)
-        for i in constrained:
-            rows[i].grammar.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
-        apply_bitmask(logits, bitmask, constrained)
+        again = [constrained[j] for j in redo]
+        masked = logits[again].float()
+        apply_bitmask(masked, bitmask[redo])
+        for i, token in zip(again, self._choose(masked, [rows[i] for i in again])):
+            tokens[i] = token
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
@@ -127,6 +146,10 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return not p.greedy and (0 < p.top_k or p.top_p < 1.0 or p.min_p > 0)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

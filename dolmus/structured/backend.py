@@ -44,14 +44,22 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf the logits of tokens whose bit is clear, in the given rows (in place)."""
+_BITS_OF_BYTE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # [byte, bit]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf (in place) every logit whose bit is clear; one bitmask row per logits row."""
+    try:
+        import xgrammar
+
+        if logits.device.type == "cpu" and logits.is_contiguous():
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)  # a C++ kernel, ~2x the torch path
+            return
+    except ImportError:
+        pass
     vocab = logits.shape[-1]
-    words = bitmask[rows]
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    allowed = _BITS_OF_BYTE[bitmask.view(torch.uint8).long()].reshape(len(bitmask), -1)[:, :vocab]
+    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 class GrammarCache:
