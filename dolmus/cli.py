@@ -51,6 +51,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights)
+    g.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, on load (CPU)"
+    )
+    g.add_argument(
+        "--quant-group-size", type=int, default=d.quant_group_size, help="int4 group: 32, 64 or 128"
+    )
+    g.add_argument("--quant-symmetric", action="store_true", help="int4 without zero points")
+    g.add_argument(
+        "--quant-lm-head", choices=["int8", "int4"], default=d.quant_lm_head, help="int4: head format"
+    )
 
 
 def _config_from_args(cls: type[T], args: argparse.Namespace) -> T:

@@ -66,6 +66,10 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
+    quantization: str | None = None  # int8 | int4: weight-only, quantized on load (CPU)
+    quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
+    quant_symmetric: bool = False  # int4: no zero points
+    quant_lm_head: str = "int8"  # int4: the LM head's format (int8 or int4)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -78,6 +82,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quant_lm_head not in ("int8", "int4"):
+            raise ValueError(f"quant_lm_head must be int8 or int4, got {self.quant_lm_head!r}")
+        if self.quant_group_size not in (32, 64, 128):
+            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from dolmus.config import EngineConfig, ModelConfig
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
-from dolmus.engine.scheduler import Scheduler
+from dolmus.engine.scheduler import ScheduledRequest, Scheduler
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime.model_runner import ModelRunner
 from dolmus.sampling_params import SamplingParams
@@ -288,6 +289,30 @@ class Engine:
             finished=all(c.status.finished for c in group.children),
             num_cached_tokens=max(first.num_cached_tokens, 0),
         )
+
+    # -- scoring --------------------------------------------------------------------------
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token at every position of `token_ids`: [len, vocab].
+
+        For perplexity and quality checks; runs one prefill outside the step loop, so the
+        engine must be idle.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logprobs needs an idle engine")
+        _, ids = self._tokenize(token_ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.max_model_len}")
+        request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
+        if not self.kv.allocate(request, len(ids)):
+            raise ValueError("the KV cache cannot hold this many tokens at once")
+        try:
+            logits = self.runner.prompt_logits(
+                ScheduledRequest(request, len(ids)), self.kv.block_ids("score")
+            )
+        finally:
+            self.kv.free(request)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     # -- observability ----------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dolmus.config import ModelConfig
+from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.layers.linear import LinearMethod
 from dolmus.runtime.models.registry import model_class
@@ -71,6 +72,6 @@ def load_model(
     model.load_weights(iter_weights(files, progress))
     model.process_weights_after_loading()
     model.eval()
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = module_bytes(model)
     logger.info("loaded %s from %s: %.1f MB of weights in %s", cfg.architecture, folder, size / 1e6, dtype)
     return model

@@ -66,7 +66,13 @@ class ModelRunner:
             model_config,
             dtype,
             device,
-            make_linear_method(config.prepack_weights),
+            make_linear_method(
+                config.prepack_weights,
+                config.quantization,
+                config.quant_group_size,
+                config.quant_symmetric,
+                config.quant_lm_head,
+            ),
             get_backend("torch"),
             max_model_len,
             progress=progress,
@@ -139,6 +145,12 @@ class ModelRunner:
         index = torch.tensor(sample_index, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return dict(zip(ids, self.sampler(logits, rows)))
+
+    @torch.inference_mode()
+    def prompt_logits(self, item: ScheduledRequest, block_table: list[int]) -> torch.Tensor:
+        """Logits at every position of one prefill chunk: what scoring a text needs."""
+        ids, positions, meta = self._prepare([item], 0, {item.request.request_id: block_table})
+        return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     def _prepare(
         self, ordered: list[ScheduledRequest], num_decodes: int, block_tables: dict[str, list[int]]

@@ -27,6 +27,10 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
+    def head_method(self) -> LinearMethod:
+        """The method for the LM head (a format may keep it at higher precision)."""
+        return self
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Plain weights. On CPU in bf16, prepacks them for oneDNN.
@@ -123,5 +127,15 @@ def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = No
     param.data.copy_(loaded)
 
 
-def make_linear_method(prepack: bool) -> LinearMethod:
-    return UnquantizedLinearMethod(prepack=prepack)
+def make_linear_method(
+    prepack: bool,
+    quantization: str | None = None,
+    group_size: int = 32,
+    symmetric: bool = False,
+    head: str = "int8",
+) -> LinearMethod:
+    if quantization is None:
+        return UnquantizedLinearMethod(prepack=prepack)
+    from dolmus.quant.weight_only import make_quant_method
+
+    return make_quant_method(quantization, group_size, symmetric, head)

@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, dtype, method, backend, max_len)
         # A tied head is still its own Linear (sharing the embedding's storage) so its
         # method may pack or quantize it.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method.head_method())
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.weight_shared = True

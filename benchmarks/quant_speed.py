@@ -1,0 +1,62 @@
+"""Single-stream decode speed of weight-only quantization: bf16 vs int8 vs int4, one run.
+
+The Qwen2.5-0.5B-shaped random bf16 weights of offline_throughput.py, 2 threads, one
+request of 32 prompt tokens and 128 output tokens (greedy, ignore_eos), rounds
+interleaved. Decode tok/s is measured from the request's own timings (after the first
+token), so prefill does not blur it. Also prints each engine's weight bytes.
+
+    python benchmarks/quant_speed.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import THREADS, qwen05b_shape_dir  # noqa: E402
+
+CONFIGS = {
+    "bf16": {},
+    "int8": {"quantization": "int8"},
+    "int4 g32 (int8 head)": {"quantization": "int4"},
+    "int4 g32 (int4 head)": {"quantization": "int4", "quant_lm_head": "int4"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    from dolmus import LLM, SamplingParams
+    from dolmus.quant.weight_only import module_bytes
+
+    model = str(qwen05b_shape_dir())
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    sizes = {}
+    for r in range(args.rounds):
+        for name, kw in CONFIGS.items():
+            llm = LLM(model=model, dtype="bfloat16", num_threads=THREADS, **kw)
+            sizes[name] = module_bytes(llm.engine.runner.model)
+            llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up
+            out = llm.generate([[1000 + 7 * r + i for i in range(32)]], params)[0].outputs[0]
+            results[name].append(1.0 / out.metrics.tpot)
+            del llm
+            gc.collect()
+            print(f"round {r} {name}: {results[name][-1]:.1f} tok/s", flush=True)
+    print("\n| weights | MB | decode tok/s (per round) | vs bf16 |")
+    print("| --- | --- | --- | --- |")
+    base = sum(results["bf16"]) / len(results["bf16"])
+    for name, values in results.items():
+        mean = sum(values) / len(values)
+        runs = ", ".join(f"{v:.1f}" for v in values)
+        print(f"| {name} | {sizes[name] / 1e6:.0f} | {runs} | {mean / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quantization: weight-only int8/int4 methods for linear layers."""

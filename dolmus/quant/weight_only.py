@@ -1,0 +1,166 @@
+"""Weight-only int8 and int4 quantization on load, run by PyTorch's fused CPU kernels.
+
+Decode at batch 1 reads every weight once per token, so fewer bytes per weight is speed:
+the checkpoint loads in its float dtype as usual, then each linear layer quantizes itself
+in `process_weights_after_loading` and multiplies with
+
+- int8, per output channel, symmetric: `aten._weight_int8pack_mm`;
+- int4, group-wise (32/64/128 inputs per group), with zero points or symmetric:
+  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+
+Dequantized, an int4 weight is (q - 8) * scale + zero per group (zero = 0 when symmetric):
+the convention of those kernels. A layer whose input size is not a multiple of the group
+size, or whose output size is not a multiple of 16, falls back to int8; the LM head is int8
+under int4 too unless `quant_lm_head="int4"` (as llama.cpp keeps its output layer at
+higher precision; a 151,936-wide head is a quarter of a 0.5B model, so int4 there is the
+faster, coarser choice). Fallbacks are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dolmus.runtime.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+class _QuantizeOnLoad(LinearMethod):
+    """Loads a float weight like an unquantized layer, then swaps it for quantized buffers."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        UnquantizedLinearMethod(prepack=False).create_weights(layer, dtype)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.weight.device.type != "cpu":
+            raise ValueError("int8/int4 weight-only quantization runs on CPU only for now")
+        self.quantize(layer, layer.weight.detach().float())
+        if not layer.weight_shared:  # a tied head's float weight is the embedding's
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+    def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _flat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+    @staticmethod
+    def _finish(layer: Linear, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        y = y.reshape(*shape[:-1], y.shape[-1])
+        return y + layer.bias if layer.bias is not None else y
+
+
+class Int8WeightOnlyMethod(_QuantizeOnLoad):
+    # The kernel reads past the end of rows whose length is not a multiple of 16 (a crash
+    # with more than one input row, seen in torch 2.13): such weights get zero columns.
+    _K_MULTIPLE = 16
+
+    def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+        q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+        layer.int8_pad = -w.shape[1] % self._K_MULTIPLE
+        _set_buffer(layer, "qweight", F.pad(q, (0, layer.int8_pad)))
+        _set_buffer(layer, "scales", scale.to(layer.weight.dtype))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        flat = self._flat(x)
+        if layer.int8_pad:
+            flat = F.pad(flat, (0, layer.int8_pad))
+        y = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
+        return self._finish(layer, y, x.shape)
+
+    @staticmethod
+    def dequantize(layer: Linear) -> torch.Tensor:
+        k = layer.qweight.shape[1] - layer.int8_pad
+        return layer.qweight[:, :k].float() * layer.scales.float()[:, None]
+
+
+class Int4WeightOnlyMethod(_QuantizeOnLoad):
+    def __init__(self, group_size: int = 32, symmetric: bool = False, head: str = "int8") -> None:
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quant_group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if head not in ("int8", "int4"):
+            raise ValueError(f"quant_lm_head must be int8 or int4, got {head!r}")
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.head = head
+        self._int8 = Int8WeightOnlyMethod()
+
+    def head_method(self) -> LinearMethod:
+        return self if self.head == "int4" else self._int8
+
+    def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        n, k = w.shape
+        g = self.group_size
+        if k % g or n % 16:  # the kernel's layout needs both
+            logger.info("int4: a %dx%d layer does not fit groups of %d (or 16 outputs); it is int8", n, k, g)
+            layer.method = self._int8  # this layer's compute follows its storage
+            self._int8.quantize(layer, w)
+            return
+        groups = w.reshape(n, k // g, g)
+        if self.symmetric:
+            scale = (groups.abs().amax(-1) / 7).clamp(min=1e-8)
+            zero = torch.zeros_like(scale)
+            q = torch.round(groups / scale[..., None]).clamp(-8, 7) + 8
+        else:
+            low, high = groups.amin(-1), groups.amax(-1)
+            scale = ((high - low) / 15).clamp(min=1e-8)
+            zero = low + 8 * scale  # the kernels' zero: the value of code 8
+            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        codes = q.to(torch.int32).reshape(n, k)
+        _set_buffer(layer, "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [k/g, n, 2]
+        _set_buffer(layer, "scales_zeros", scales_zeros.to(layer.weight.dtype))
+        layer.int4_codes_shape = (n, k)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            self._flat(x), layer.qweight, self.group_size, layer.scales_zeros
+        )
+        return self._finish(layer, y, x.shape)
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        """The float weight the kernel computes with (an identity matrix through the kernel)."""
+        n, k = layer.int4_codes_shape
+        eye = torch.eye(k, dtype=layer.scales_zeros.dtype)
+        return (
+            torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, layer.qweight, self.group_size, layer.scales_zeros
+            )
+            .float()
+            .T
+        )
+
+
+def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:
+    if name in layer._buffers:
+        layer._buffers[name] = value
+    else:
+        layer.register_buffer(name, value, persistent=False)
+
+
+def make_quant_method(
+    quantization: str, group_size: int, symmetric: bool, head: str = "int8"
+) -> LinearMethod:
+    if quantization == "int8":
+        return Int8WeightOnlyMethod()
+    if quantization == "int4":
+        return Int4WeightOnlyMethod(group_size, symmetric, head)
+    raise ValueError(f"quantization must be int8 or int4, got {quantization!r}")
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of weights as stored for compute: parameters, buffers and prepacked copies."""
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for m in model.modules():
+        packed = getattr(m, "packed_weight", None)
+        if isinstance(packed, torch.Tensor):
+            total += packed.numel() * packed.element_size()
+    return total

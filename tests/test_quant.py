@@ -1,0 +1,97 @@
+"""Weight-only int8/int4 quantization on load: the kernels compute with the weights we say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dolmus import LLM, EngineConfig
+from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.runtime.layers.linear import Linear
+from helpers import random_prompts, run_tokens
+
+
+def _linears(llm: LLM) -> dict[str, Linear]:
+    return {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+
+
+def _dequantized(layer: Linear) -> torch.Tensor:
+    return layer.method.dequantize(layer)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"quantization": "int8"},
+        {"quantization": "int4", "quant_group_size": 32},
+        {"quantization": "int4", "quant_group_size": 64, "quant_symmetric": True},
+    ],
+    ids=["int8", "int4-g32", "int4-g64-sym"],
+)
+def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
+    ref = LLM(model=str(model_dir), dtype="float32")
+    quant = LLM(model=str(model_dir), dtype="float32", **kw)
+    float_layers, quant_layers = _linears(ref), _linears(quant)
+    gen = torch.Generator().manual_seed(0)
+    kinds = set()
+    for name, layer in quant_layers.items():
+        kinds.add(type(layer.method).__name__)
+        original = float_layers[name].weight.detach().float()
+        deq = _dequantized(layer)
+        assert deq.shape == original.shape
+        # Within half a quantization step of the original weight...
+        step = original.abs().amax(1, keepdim=True) / (
+            127 if isinstance(layer.method, Int8WeightOnlyMethod) else 7
+        )
+        assert ((deq - original).abs() <= step * 0.5 + 1e-6).all(), name
+        # ... and the fused kernel computes exactly with it.
+        xi = torch.randn(5, layer.in_features, generator=gen)
+        expected = xi @ deq.T + (layer.bias if layer.bias is not None else 0)
+        torch.testing.assert_close(layer(xi), expected, rtol=1e-4, atol=1e-4)
+    if kw["quantization"] == "int4":
+        assert "Int4WeightOnlyMethod" in kinds
+        assert isinstance(quant.engine.runner.model.lm_head.method, Int8WeightOnlyMethod)  # head kept at int8
+    # Linear layers store a quarter (int8) or less of their fp32 bytes, scales included.
+    stored = sum(b.numel() * b.element_size() for layer in quant_layers.values() for b in layer.buffers())
+    original = sum(layer.weight.numel() * 4 for layer in float_layers.values())
+    assert stored < 0.4 * original
+
+
+def test_quantized_engine_equals_a_float_engine_with_the_dequantized_weights(model_dir) -> None:
+    """Batching, chunked prefill and prefix caching on top of int4 change nothing but the weights."""
+    quant = LLM(model=str(model_dir), dtype="float32", quantization="int4", max_num_batched_tokens=13)
+    ref = LLM(model=str(model_dir), dtype="float32", prepack_weights=False)
+    for name, layer in _linears(quant).items():
+        target = _linears(ref)[name]
+        if target.weight_shared:
+            target.weight_shared = False
+            target.weight = torch.nn.Parameter(_dequantized(layer), requires_grad=False)
+        else:
+            target.weight.data = _dequantized(layer)
+    prompts = random_prompts(seed=12)
+    assert run_tokens(quant, prompts) == run_tokens(ref, prompts)
+
+
+def test_int8_agrees_with_bf16_on_real_text() -> None:
+    """stories260k on held-out stories: the next-token argmax at each position (teacher-forced)."""
+    stories = (Path(__file__).parent / "data" / "heldout_stories.txt").read_text().splitlines()[:10]
+    base, int8 = LLM(dtype="bfloat16"), LLM(dtype="bfloat16", quantization="int8")
+    same = total = 0
+    for story in stories:
+        ids = base.tokenizer.encode(story)
+        a = base.engine.prompt_logprobs(ids).argmax(-1)
+        b = int8.engine.prompt_logprobs(ids).argmax(-1)
+        same += int((a == b).sum())
+        total += len(ids)
+    assert same / total >= 0.95
+
+
+def test_bad_quantization_settings() -> None:
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quant_group_size"):
+        EngineConfig(quantization="int4", quant_group_size=48)
+    with pytest.raises(ValueError, match="quant_group_size"):
+        Int4WeightOnlyMethod(group_size=16)
