@@ -1,9 +1,11 @@
-"""Quality of weight-only quantization on real text: perplexity and KL divergence.
+"""Quality of quantization on real text: perplexity and KL divergence.
 
 stories260k (the built-in model) scores 30 short held-out stories written for this
-project (tests/data/heldout_stories.txt) in bf16, int8 and int4 (group 32, with zero
-points; also symmetric). Prints each perplexity, its change against bf16, and the mean KL
-divergence KL(bf16 || quantized) of the next-token distributions over all positions.
+project (tests/data/heldout_stories.txt) in bf16, int8 and int4 weights (group 32, with
+zero points; also symmetric, and with an int4 LM head) and with an int8 or fp8 KV cache.
+Each text is scored one token at a time through the KV cache, as decoding reads it.
+Prints each perplexity, its change against bf16, and the mean KL divergence
+KL(bf16 || quantized) of the next-token distributions over all positions.
 
     python benchmarks/quant_quality.py
 """
@@ -22,12 +24,15 @@ CONFIGS = {
     "int4 g32": {"quantization": "int4", "quant_group_size": 32},
     "int4 g32 sym": {"quantization": "int4", "quant_group_size": 32, "quant_symmetric": True},
     "int4 g32, int4 head": {"quantization": "int4", "quant_group_size": 32, "quant_lm_head": "int4"},
+    "int8 KV": {"kv_cache_dtype": "int8"},
+    "fp8 KV": {"kv_cache_dtype": "fp8"},
 }
 
 
 def score(llm, stories: list[str]) -> list[torch.Tensor]:
-    """Per story: next-token log-probabilities at every position, [len, vocab]."""
-    return [llm.engine.prompt_logprobs(llm.tokenizer.encode(s)) for s in stories]
+    """Per story: next-token log-probabilities at every position, [len, vocab], one token at a
+    time through the KV cache (as decoding reads it, so a quantized cache counts)."""
+    return [llm.engine.prompt_logprobs(llm.tokenizer.encode(s), chunk_size=1) for s in stories]
 
 
 def perplexity(logprobs: list[torch.Tensor], token_ids: list[list[int]]) -> float:

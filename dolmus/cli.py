@@ -59,6 +59,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--quant-symmetric", action="store_true", help="int4 without zero points")
     g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default=d.kv_cache_dtype,
+        help="KV cache storage: the model dtype, or int8/fp8 with a scale per token and head",
+    )
+    g.add_argument(
         "--quant-lm-head", choices=["int8", "int4"], default=d.quant_lm_head, help="int4: head format"
     )
 

@@ -70,6 +70,7 @@ class EngineConfig:
     quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = "int8"  # int4: the LM head's format (int8 or int4)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: scale per token and head
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.quant_lm_head not in ("int8", "int4"):
             raise ValueError(f"quant_lm_head must be int8 or int4, got {self.quant_lm_head!r}")
         if self.quant_group_size not in (32, 64, 128):
@@ -233,10 +236,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
         )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

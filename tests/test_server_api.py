@@ -201,7 +201,8 @@ def test_tokenize_detokenize(server: RemoteServer, offline: LLM) -> None:
 
 
 def test_metrics_exposition(server: RemoteServer, client: openai.OpenAI) -> None:
-    client.completions.create(model=MODEL, prompt="The sun", max_tokens=5, temperature=0)
+    for _ in range(2):  # the repeat is served from the prefix cache
+        client.completions.create(model=MODEL, prompt=STORY, max_tokens=5, temperature=0)
     m = server.metrics()
     for name in (
         "dolmus:time_to_first_token_seconds_count",
@@ -218,6 +219,8 @@ def test_metrics_exposition(server: RemoteServer, client: openai.OpenAI) -> None
     assert m["dolmus:num_requests_running"] == 0 and m["dolmus:num_requests_waiting"] == 0
     assert 0 <= m["dolmus:kv_cache_usage_perc"] <= 1
     assert m["dolmus:engine_busy_seconds_total"] > 0
+    assert m["dolmus:model_weight_bytes"] > 0 and m["dolmus:kv_cache_bytes_per_token"] > 0
+    assert m["dolmus:kv_cache_capacity_tokens"] == m["dolmus:kv_cache_blocks_total"] * 16
     assert m["dolmus:cost_per_million_prompt_tokens"] > 0
     assert m["dolmus:cost_per_million_generation_tokens"] > 0
 

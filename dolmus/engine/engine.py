@@ -56,6 +56,9 @@ class EngineStats:
     generation_tokens: int
     num_preempted_waiting: int = 0  # preempted requests waiting to be recomputed
     structured_requests: int = 0  # requests with structured output since start
+    weight_bytes: int = 0  # model weights as stored for compute
+    kv_bytes_per_token: int = 0  # all layers
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds
     # Wall time spent in steps, split between prompt and output work by each step's token mix;
     # the server turns these into cost per token.
     busy_prefill_seconds: float = 0.0
@@ -292,11 +295,13 @@ class Engine:
 
     # -- scoring --------------------------------------------------------------------------
 
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int | None = None) -> torch.Tensor:
         """Log-probabilities of the next token at every position of `token_ids`: [len, vocab].
 
-        For perplexity and quality checks; runs one prefill outside the step loop, so the
-        engine must be idle.
+        For perplexity and quality checks; runs prefill outside the step loop, so the engine
+        must be idle. With `chunk_size`, the text goes through in chunks that read the
+        earlier ones back from the KV cache (chunk_size=1 scores the way decoding reads),
+        so a quantized cache shows in the result.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("prompt_logprobs needs an idle engine")
@@ -306,12 +311,17 @@ class Engine:
         request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
         if not self.kv.allocate(request, len(ids)):
             raise ValueError("the KV cache cannot hold this many tokens at once")
+        step = chunk_size or len(ids)
+        table = self.kv.block_ids("score")
+        chunks = []
         try:
-            logits = self.runner.prompt_logits(
-                ScheduledRequest(request, len(ids)), self.kv.block_ids("score")
-            )
+            for start in range(0, len(ids), step):
+                request.num_computed_tokens = start
+                item = ScheduledRequest(request, min(step, len(ids) - start))
+                chunks.append(self.runner.prompt_logits(item, table))
         finally:
             self.kv.free(request)
+        logits = torch.cat(chunks)
         return torch.log_softmax(logits.float(), dim=-1)
 
     # -- observability ----------------------------------------------------------------
@@ -333,6 +343,9 @@ class Engine:
             generation_tokens=self._generation_tokens,
             num_preempted_waiting=self.scheduler.num_preempted_waiting,
             structured_requests=self._structured_requests,
+            weight_bytes=self.runner.weight_bytes,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_capacity_tokens=kv.pool.num_blocks * self.config.block_size,
             busy_prefill_seconds=self._busy_prefill,
             busy_decode_seconds=self._busy_decode,
             finished=dict(self._finished_by_reason),

@@ -117,6 +117,11 @@ class _StatsCollector(Collector):
         yield gauge("dolmus:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage)
         yield gauge("dolmus:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total)
         yield gauge("dolmus:kv_cache_blocks_used", "KV-cache blocks held by requests.", s.kv_blocks_used)
+        yield gauge(
+            "dolmus:kv_cache_bytes_per_token", "KV-cache bytes per token, all layers.", s.kv_bytes_per_token
+        )
+        yield gauge("dolmus:kv_cache_capacity_tokens", "Tokens the KV cache holds.", s.kv_capacity_tokens)
+        yield gauge("dolmus:model_weight_bytes", "Model weights as stored for compute.", s.weight_bytes)
         yield counter("dolmus:num_preemptions", "Preemptions since start.", s.num_preemptions)
         yield counter(
             "dolmus:prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens

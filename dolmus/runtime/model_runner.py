@@ -21,7 +21,9 @@ from dolmus.config import (
 )
 from dolmus.engine.request import SampledToken
 from dolmus.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime.attention import AttentionMetadata, DecodeGroup, PrefillSeq, get_backend
+from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.layers.linear import make_linear_method
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
@@ -80,16 +82,22 @@ class ModelRunner:
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
-        # zeros, not empty: the budget is reserved (and resident) up front, as on a GPU,
-        # so memory use does not creep up as the pool is first walked through.
-        self.kv_caches = list(
-            torch.zeros(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        )
+        self.kv_caches = [
+            make_kv_store(
+                config.kv_cache_dtype, slots, cfg.num_kv_heads, cfg.head_dim, self.block_size, dtype, device
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.weight_bytes = module_bytes(self.model)
         self.sampler = Sampler(device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        mc = self.model_config
+        per_token = mc.num_layers * kv_bytes_per_token(
+            self.config.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
+        per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -105,12 +113,15 @@ class ModelRunner:
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes")
+        self.kv_bytes_per_token = per_token
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MB, %d bytes per token)",
+            "KV cache (%s): %d blocks of %d tokens = %d tokens fit (%.1f MB, %d bytes per token)",
+            self.config.kv_cache_dtype,
             num_blocks,
             self.block_size,
+            num_blocks * self.block_size,
             num_blocks * per_block / 1e6,
-            per_block // self.block_size,
+            per_token,
         )
         return num_blocks
 

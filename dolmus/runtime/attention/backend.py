@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dolmus.runtime.attention.kv_store import PagedKV
+
 
 @dataclass
 class PrefillSeq:
@@ -62,7 +64,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: PagedKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dolmus.runtime.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from dolmus.runtime.attention.kv_store import PagedKV
 
 
 @register_backend
@@ -23,25 +24,21 @@ class TorchSDPABackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: PagedKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        kv_cache.write(meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[1]
+        num_kv_heads = k.shape[1]
         bs = meta.block_size
-        k_blocks = k_cache.view(-1, bs * num_kv_heads * head_dim)
-        v_blocks = v_cache.view(-1, bs * num_kv_heads * head_dim)
 
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         group_size = num_heads // num_kv_heads
         for g in meta.decode_groups:
             n, length = g.count, g.num_blocks * bs
-            keys = k_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
-            values = v_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
+            keys = kv_cache.blocks(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
+            values = kv_cache.blocks(1, g.block_ids).view(n, length, num_kv_heads, head_dim)
             # Grouped-query decode: the query heads sharing a KV head become query rows of
             # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
             # with a single query row is ~10x slower on CPU.)
@@ -61,9 +58,8 @@ class TorchSDPABackend(AttentionBackend):
                 mask, causal = None, True
             else:
                 total = seq.context_len + n
-                shape = (-1, num_kv_heads, head_dim)
-                keys = k_blocks.index_select(0, seq.block_ids).view(shape)[:total]
-                values = v_blocks.index_select(0, seq.block_ids).view(shape)[:total]
+                keys = kv_cache.blocks(0, seq.block_ids)[:total]
+                values = kv_cache.blocks(1, seq.block_ids)[:total]
                 mask, causal = seq.mask, False
             res = F.scaled_dot_product_attention(
                 q[s : s + n].transpose(0, 1).unsqueeze(0),

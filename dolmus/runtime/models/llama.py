@@ -15,6 +15,7 @@ from torch import nn
 
 from dolmus.config import ModelConfig
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
+from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
@@ -53,7 +54,7 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
@@ -97,7 +98,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, method)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -143,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[PagedKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
