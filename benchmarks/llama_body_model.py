@@ -2,7 +2,7 @@
 
 The body (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864) is the reference shape of
 PERF_NOTES.md; the 512-token SentencePiece vocabulary lets llama.cpp load the same weights
-from GGUF (benchmarks/export_gguf.py). Saved in bf16 under ~/.cache/dolmus-bench.
+from GGUF (`dolmus convert --to gguf`). Saved in bf16 under ~/.cache/dolmus-bench.
 
     python benchmarks/llama_body_model.py   # prints the folder
 """

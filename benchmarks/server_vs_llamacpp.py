@@ -1,11 +1,11 @@
 """`dolmus bench` against llama-cpp-python's OpenAI server and against `dolmus serve`, same weights.
 
 One run: build (or reuse) the bf16 Llama with Qwen2.5-0.5B's body (llama_body_model.py),
-export it to GGUF (export_gguf.py), serve it with llama-cpp-python, run `dolmus bench`
+convert it to GGUF (`dolmus convert --to gguf --type bf16`), serve it with llama-cpp-python, run `dolmus bench`
 against it, stop it, then run the same `dolmus bench` with `--serve-args` against dolmus,
 and print both tables and the ratios. The servers never run at the same time.
 
-Requires: pip install "llama-cpp-python[server]" sentencepiece gguf
+Requires: pip install "llama-cpp-python[server]"
 
     python benchmarks/server_vs_llamacpp.py --out /tmp/peer-bench
 """
@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from export_gguf import export  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
 
 from dolmus.bench.spawn import free_port  # noqa: E402
+from dolmus.convert import convert_to_gguf  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def main() -> None:
     model = llama_body_dir()
     gguf = model.parent / (model.name + ".bf16.gguf")
     if not gguf.exists():
-        export(model, gguf, "bf16")
+        convert_to_gguf(model, gguf, "bf16")
     results = {}
     for name, fn, target in (("llama-cpp-python", run_llamacpp, gguf), ("dolmus", run_dolmus, model)):
         print(f"\n=== {name} ===", flush=True)

@@ -147,6 +147,18 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config, server_config)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from dolmus.convert import convert_to_gguf
+
+    try:
+        out = convert_to_gguf(args.model, args.out, args.type)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     g = parser.add_argument_group("server")
@@ -185,6 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
+
+    conv = sub.add_parser("convert", help="write a Hugging Face folder as a GGUF file for llama.cpp")
+    conv.add_argument("model", help="Hugging Face model folder")
+    conv.add_argument("--to", choices=["gguf"], default="gguf")
+    conv.add_argument("--out", required=True, help="the .gguf file to write")
+    conv.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server and report latencies")
     add_bench_args(bench)

@@ -161,6 +161,10 @@ class ModelConfig:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"model: path {str(path)!r} does not exist")
+        from dolmus.runtime.gguf_loader import gguf_config, is_gguf
+
+        if is_gguf(path):
+            return cls.from_dict(gguf_config(path), {}, source=str(path))
         if not path.is_dir():
             raise ValueError(f"model: {str(path)!r} is not a Hugging Face model folder")
         config_file = path / "config.json"

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import ScheduledRequest, Scheduler
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner
 from dolmus.sampling_params import SamplingParams
 from dolmus.structured.backend import GrammarCache
@@ -34,6 +36,8 @@ _CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
 
 
 def load_tokenizer(path: str) -> Any:
+    if is_gguf(path):
+        return gguf_tokenizer(Path(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises several types for a bad folder

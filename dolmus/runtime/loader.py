@@ -14,6 +14,7 @@ from torch import nn
 from dolmus.config import ModelConfig
 from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime.attention import AttentionBackend
+from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
 from dolmus.runtime.layers.linear import LinearMethod
 from dolmus.runtime.models.registry import model_class
 
@@ -66,10 +67,13 @@ def load_model(
     max_len: int,
     progress: bool = False,
 ) -> nn.Module:
-    files = safetensors_files(folder)
+    if is_gguf(folder):
+        weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
+    else:
+        weights = iter_weights(safetensors_files(folder), progress)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
-    model.load_weights(iter_weights(files, progress))
+    model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()
     size = module_bytes(model)

@@ -1,0 +1,153 @@
+"""llama.cpp GGUF files as a model source: config, tokenizer and weights.
+
+transformers reads the architecture and the tokenizer from the file's metadata; the gguf
+package reads the tensors, and every type it knows (F32, F16, BF16, Q8_0, Q4_0, Q4_K,
+Q6_K, ...) is dequantized to float on load (add --quantization to requantize for our
+kernels). Names map back to Hugging Face's, and for Llama and Mistral the q/k rows are
+permuted back from llama.cpp's interleaved rotary layout to Hugging Face's halves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PERMUTED = ("llama", "mistral")  # llama.cpp's converter interleaves their q/k rotary halves
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_IGNORED = ("rope_freqs.weight",)  # recomputed from the config
+
+
+def is_gguf(path: str | Path) -> bool:
+    p = Path(path)
+    return p.suffix == ".gguf" and p.is_file()
+
+
+def gguf_config(path: Path) -> dict[str, Any]:
+    """The file's metadata as a Hugging Face config dict."""
+    from transformers import AutoConfig
+
+    try:
+        raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    except Exception as exc:  # transformers raises several kinds for unknown or broken files
+        raise ValueError(f"model: cannot read GGUF metadata from {str(path)!r} ({exc})") from exc
+    model_type = raw.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"model: GGUF architecture {model_type!r} is not supported ({', '.join(_ARCHITECTURES)})"
+        )
+    raw["architectures"] = [_ARCHITECTURES[model_type]]
+    # transformers does not carry the explicit head size over for every architecture (Qwen3
+    # falls back to its default of 128): take it from the file.
+    head_dim = _metadata_int(path, "attention.key_length")
+    if head_dim:
+        raw["head_dim"] = head_dim
+    return raw
+
+
+def _metadata_int(path: Path, key: str) -> int | None:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.get_field("general.architecture")
+    if arch_field is None:
+        return None
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    field = reader.get_field(f"{arch}.{key}")
+    return int(field.parts[field.data[0]][0]) if field is not None else None
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(
+    path: Path, architecture: str, num_heads: int, num_kv_heads: int, progress: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reader.tensors), desc="Loading GGUF", unit="tensor", leave=False)
+    quantized: set[str] = set()
+    permuted = architecture in (_ARCHITECTURES[a] for a in _PERMUTED)
+    for t in reader.tensors:
+        if bar is not None:
+            bar.update(1)
+        if t.name in _IGNORED:
+            continue
+        name = _hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            array = t.data
+        else:
+            quantized.add(t.tensor_type.name)
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(array.reshape(shape).copy())
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = _unpermute(tensor, num_heads if "q_proj" in name else num_kv_heads)
+        yield name, tensor
+    if bar is not None:
+        bar.close()
+    if quantized:
+        logger.info("GGUF: dequantized %s tensors to float on load", ", ".join(sorted(quantized)))
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """llama.cpp's name for a Hugging Face tensor name (the inverse of the loading map)."""
+    for gguf_name, hf in _GLOBAL.items():
+        if name == hf:
+            return gguf_name
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"]:
+        inner = ".".join(parts[3:-1])
+        for gguf_part, hf_part in _PER_LAYER.items():
+            if inner == hf_part:
+                return f"blk.{parts[2]}.{gguf_part}.{parts[-1]}"
+    raise ValueError(f"convert: tensor {name!r} has no GGUF name here")
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    raise ValueError(f"model: GGUF tensor {name!r} has no Hugging Face counterpart here")
