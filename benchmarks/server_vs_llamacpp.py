@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llama_body_model import llama_body_dir  # noqa: E402
 
 from dolmus.bench.spawn import free_port  # noqa: E402
-from dolmus.convert import convert_to_gguf  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
+from dolmus.convert import convert_to_gguf  # noqa: E402
 
 
 def cpu_pressure() -> float:

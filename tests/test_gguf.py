@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 from conftest import TOKENIZER_FILES, build_model_dir
-from helpers import random_prompts, run_tokens
 from safetensors.torch import save_file
 
 from dolmus import LLM, SamplingParams
 from dolmus.cli import main
 from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
 from dolmus.runtime.gguf_loader import iter_gguf_weights
+from helpers import random_prompts, run_tokens
 
 STORY_PROMPTS = ["Once upon a time", "The little dog ran", "Lily and Tom went to the"]
 
