@@ -1,8 +1,9 @@
 """`dolmus bench` against llama-cpp-python's OpenAI server and against `dolmus serve`, same weights.
 
 One run: build (or reuse) the bf16 Llama with Qwen2.5-0.5B's body (llama_body_model.py),
-convert it to GGUF (`dolmus convert --to gguf --type bf16`), serve it with llama-cpp-python, run `dolmus bench`
-against it, stop it, then run the same `dolmus bench` with `--serve-args` against dolmus,
+convert it to GGUF (`dolmus convert --to gguf --type bf16`), serve it with
+llama-cpp-python, run `dolmus bench` against it, stop it, then run the same `dolmus bench`
+with `--serve-args` against dolmus,
 and print both tables and the ratios. The servers never run at the same time.
 
 Requires: pip install "llama-cpp-python[server]"
