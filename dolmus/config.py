@@ -155,6 +155,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    quantization_config: dict[str, Any] | None = None  # a pre-quantized checkpoint's format
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
@@ -239,6 +240,7 @@ class ModelConfig:
             dtype=_DTYPES.get(str(dtype_name), torch.float32),
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
+            quantization_config=raw.get("quantization_config"),
         )
 
 

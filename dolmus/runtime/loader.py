@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dolmus.config import ModelConfig
+from dolmus.quant.checkpoint import checkpoint_format, dequantize_stream
 from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
@@ -71,6 +72,9 @@ def load_model(
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
     else:
         weights = iter_weights(safetensors_files(folder), progress)
+    fmt = checkpoint_format(cfg.quantization_config)
+    if fmt is not None:
+        weights = dequantize_stream(fmt, weights)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
     model.load_weights(weights)

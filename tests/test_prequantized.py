@@ -1,0 +1,112 @@
+"""GPTQ and AWQ checkpoints, packed here as their public formats describe, load exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TOKENIZER_FILES, build_model_dir
+from safetensors.torch import load_file, save_file
+
+from dolmus import LLM
+from dolmus.quant.checkpoint import AWQ_ORDER, checkpoint_format, dequantize_layer
+from helpers import random_prompts, run_tokens
+
+GROUP = 32
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _pack(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit codes per int32 along `dim`, code i of a word from position order[i]."""
+    c = codes.long().movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], -1, 8)[..., list(order)]
+    words = (c << (4 * torch.arange(8))).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
+def _quantize(w: torch.Tensor, gen: torch.Generator, act_order: bool):
+    """Codes [K, N], zeros and fp16 scales [G, N], group of each input, intended float [N, K]."""
+    n, k = w.shape
+    g_idx = torch.arange(k) // GROUP
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    wt = w.T  # [K, N]
+    groups = k // GROUP
+    low = torch.stack([wt[g_idx == g].amin(0) for g in range(groups)])
+    high = torch.stack([wt[g_idx == g].amax(0) for g in range(groups)])
+    scales = ((high - low) / 15).clamp(min=1e-6).half()
+    zeros = torch.round(-low / scales.float()).clamp(0, 15).long()
+    codes = torch.round(wt / scales.float()[g_idx] + zeros[g_idx]).clamp(0, 15).long()
+    intended = ((codes - zeros[g_idx]).float() * scales.float()[g_idx]).T.contiguous()
+    return codes, zeros, scales, g_idx, intended
+
+
+def _write_checkpoints(src, root, method: str, act_order: bool = False):
+    """(quantized folder, float folder with the intended weights)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = load_file(src / "model.safetensors")
+    packed, floats = {}, {}
+    for name, w in tensors.items():
+        layer = name.rsplit(".", 2)
+        if len(layer) == 3 and layer[1] in LINEARS and layer[2] == "weight":
+            codes, zeros, scales, g_idx, intended = _quantize(w.float(), gen, act_order)
+            prefix = name[: -len(".weight")]
+            floats[name] = intended
+            if method == "gptq":
+                packed[f"{prefix}.qweight"] = _pack(codes, 0)
+                packed[f"{prefix}.qzeros"] = _pack(zeros - 1, 1)  # the original layout stores zeros - 1
+                packed[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
+            else:
+                packed[f"{prefix}.qweight"] = _pack(codes, 1, AWQ_ORDER)
+                packed[f"{prefix}.qzeros"] = _pack(zeros, 1, AWQ_ORDER)
+            packed[f"{prefix}.scales"] = scales
+        else:
+            packed[name] = floats[name] = w
+    config = json.loads((src / "config.json").read_text())
+    quant_config = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    quant_config.update({"desc_act": act_order, "sym": False} if method == "gptq" else {"version": "gemm"})
+    folders = []
+    for kind, weights, cfg in (
+        ("q", packed, {**config, "quantization_config": quant_config}),
+        ("f", floats, config),
+    ):
+        folder = root / f"{method}-{act_order}-{kind}"
+        folder.mkdir()
+        save_file(weights, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(cfg))
+        for name in TOKENIZER_FILES:
+            shutil.copy(src / name, folder / name)
+        folders.append(folder)
+    return folders[0], folders[1], packed, floats, quant_config
+
+
+@pytest.mark.parametrize(("method", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
+def test_prequantized_checkpoint_loads_its_intended_weights(tmp_path, model_root, method, act_order) -> None:
+    src = build_model_dir("qwen2", model_root)
+    quant, dense, packed, floats, quant_config = _write_checkpoints(src, tmp_path, method, act_order)
+    fmt = checkpoint_format(quant_config)
+    prefix = "model.layers.0.mlp.down_proj"
+    parts = {
+        p: packed[f"{prefix}.{p}"]
+        for p in ("qweight", "qzeros", "scales", "g_idx")
+        if f"{prefix}.{p}" in packed
+    }
+    assert torch.equal(dequantize_layer(fmt, parts), floats[f"{prefix}.weight"])
+    prompts = random_prompts(seed=9)
+    assert run_tokens(LLM(model=str(quant), dtype="float32"), prompts) == run_tokens(
+        LLM(model=str(dense), dtype="float32"), prompts
+    )
+
+
+def test_unsupported_quantization_is_a_clear_error(tmp_path, model_root) -> None:
+    src = build_model_dir("qwen2", model_root)
+    folder = tmp_path / "bnb"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        LLM(model=str(folder))
