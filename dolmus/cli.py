@@ -52,7 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights)
     g.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, on load (CPU)"
+        "--quantization",
+        choices=["int8", "int4", "fp8"],
+        default=None,
+        help="weight-only, on load (fp8: CUDA only)",
     )
     g.add_argument(
         "--quant-group-size", type=int, default=d.quant_group_size, help="int4 group: 32, 64 or 128"

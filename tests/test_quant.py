@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dolmus import LLM, EngineConfig
-from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod, make_quant_method
 from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
 
@@ -95,3 +95,21 @@ def test_bad_quantization_settings() -> None:
         EngineConfig(quantization="int4", quant_group_size=48)
     with pytest.raises(ValueError, match="quant_group_size"):
         Int4WeightOnlyMethod(group_size=16)
+
+
+def test_fp8_weights_refuse_the_cpu_and_compute_with_their_dequantized_weights(model_dir) -> None:
+    with pytest.raises(ValueError, match="fp8 weights need a CUDA GPU"):
+        LLM(model=str(model_dir), quantization="fp8")
+    # The method's arithmetic, on the CPU: e4m3 codes per output channel, then the
+    # dequantizing path that GPUs without fp8 matrix units take.
+    method = make_quant_method("fp8", 32, False)
+    layer = Linear(64, 48, True, torch.float32, method)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=gen)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(torch.randn(48, generator=gen))
+    method.quantize(layer, w)
+    deq = method.dequantize(layer)
+    assert ((deq - w).abs() <= w.abs() / 16 + w.abs().amax(1, keepdim=True) / 448 / 8).all()
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ deq.T + layer.bias, rtol=1e-5, atol=1e-5)

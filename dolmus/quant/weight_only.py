@@ -139,6 +139,60 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
         )
 
 
+class Fp8WeightOnlyMethod(_QuantizeOnLoad):
+    """float8 e4m3 weights with a scale per output channel, for GPUs with fp8 support.
+
+    Computes with `torch._scaled_mm` (activations scaled per row to e4m3 on the fly) where
+    the GPU has it (compute capability 8.9 or newer), else by dequantizing into the
+    activation dtype. CPUs have no fp8 matrix kernels: loading refuses with a clear error.
+    """
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.weight.device.type != "cuda":
+            raise ValueError("fp8 weights need a CUDA GPU; on CPU use --quantization int8 or int4")
+        self.quantize(layer, layer.weight.detach().float())
+        if not layer.weight_shared:
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+    def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        codes, scale = fp8_quantize(w)
+        _set_buffer(layer, "qweight", codes)
+        _set_buffer(layer, "scales", scale)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        flat = self._flat(x)
+        if _has_scaled_mm(flat.device):
+            x_codes, x_scale = fp8_quantize(flat.float())
+            y = torch._scaled_mm(
+                x_codes,
+                layer.qweight.T,
+                scale_a=x_scale[:, None],
+                scale_b=layer.scales[None, :],
+                out_dtype=x.dtype,
+            )
+        else:
+            y = flat @ self.dequantize(layer).to(flat.dtype).T
+        return self._finish(layer, y, x.shape)
+
+    @staticmethod
+    def dequantize(layer: Linear) -> torch.Tensor:
+        return fp8_dequantize(layer.qweight, layer.scales)
+
+
+def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `w` as e4m3 codes and float32 scales (row max maps to e4m3's 448)."""
+    scale = (w.abs().amax(dim=-1) / 448.0).clamp(min=1e-12).float()
+    return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale[:, None]
+
+
+def _has_scaled_mm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:
     if name in layer._buffers:
         layer._buffers[name] = value
@@ -153,7 +207,9 @@ def make_quant_method(
         return Int8WeightOnlyMethod()
     if quantization == "int4":
         return Int4WeightOnlyMethod(group_size, symmetric, head)
-    raise ValueError(f"quantization must be int8 or int4, got {quantization!r}")
+    if quantization == "fp8":
+        return Fp8WeightOnlyMethod()
+    raise ValueError(f"quantization must be int8, int4 or fp8, got {quantization!r}")
 
 
 def module_bytes(model: nn.Module) -> int:
