@@ -27,10 +27,12 @@ class PagedKV:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: torch.dtype | None = None,
     ) -> None:
+        """`dtype` is what attention computes in; `storage` what the cache holds (default: dtype)."""
         # zeros, not empty: the budget is reserved (and resident) up front, as on a GPU,
         # so memory use does not creep up as the pool is first walked through.
-        self.data = torch.zeros(2, slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.data = torch.zeros(2, slots, num_kv_heads, head_dim, dtype=storage or dtype, device=device)
         self.block_size = block_size
         self.dtype = dtype
 
@@ -60,10 +62,8 @@ class QuantizedPagedKV(PagedKV):
         device: torch.device,
         kind: str,
     ) -> None:
-        self.data = torch.zeros(2, slots, num_kv_heads, head_dim, dtype=_STORAGE[kind], device=device)
+        super().__init__(slots, num_kv_heads, head_dim, block_size, dtype, device, _STORAGE[kind])
         self.scale = torch.zeros(2, slots, num_kv_heads, dtype=dtype, device=device)
-        self.block_size = block_size
-        self.dtype = dtype
         self.max_code = _MAX[kind]
         self.is_int = kind == "int8"
         self.codes_dtype = _CODES[kind]
