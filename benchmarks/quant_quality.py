@@ -21,6 +21,7 @@ STORIES = Path(__file__).parent.parent / "tests" / "data" / "heldout_stories.txt
 CONFIGS = {
     "bf16": {},
     "int8": {"quantization": "int8"},
+    "w8a8": {"quantization": "w8a8"},
     "int4 g32": {"quantization": "int4", "quant_group_size": 32},
     "int4 g32 sym": {"quantization": "int4", "quant_group_size": 32, "quant_symmetric": True},
     "int4 g32, int4 head": {"quantization": "int4", "quant_group_size": 32, "quant_lm_head": "int4"},

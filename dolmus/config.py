@@ -66,7 +66,7 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
-    quantization: str | None = None  # int8 | int4 (CPU kernels) | fp8 (CUDA): weight-only, on load
+    quantization: str | None = None  # int8 | int4 | w8a8 (CPU kernels) | fp8 (CUDA), on load
     quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = "int8"  # int4: the LM head's format (int8 or int4)
@@ -83,8 +83,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.quantization not in (None, "int8", "int4", "fp8"):
-            raise ValueError(f"quantization must be int8, int4 or fp8, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "fp8", "w8a8"):
+            raise ValueError(f"quantization must be int8, int4, fp8 or w8a8, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.quant_lm_head not in ("int8", "int4"):

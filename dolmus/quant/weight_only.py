@@ -19,6 +19,7 @@ faster, coarser choice). Fallbacks are logged.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +140,35 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
         )
 
 
+class W8A8DynamicMethod(_QuantizeOnLoad):
+    """int8 weights (per channel) times int8 activations quantized per call (fbgemm).
+
+    Not weight-only: each call quantizes its input to int8 too, so the product runs on the
+    CPU's int8 dot-product units. Measured here it is ~2x bf16 at batch 1 and still ~1.6x at
+    batch 32, where the weight-only int8 kernel is slower than bf16; the price is a little
+    more error (activations at 8 bits).
+    """
+
+    def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels are not gone yet
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+            bias = layer.bias.detach().float() if layer.bias is not None else None
+            layer.w8a8_packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        layer.opaque_weight_bytes = w.numel() + 8 * w.shape[0]  # int8 codes and scales, in fbgemm's pack
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(self._flat(x).float(), layer.w8a8_packed, False)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])  # the bias is inside the kernel
+
+    @staticmethod
+    def dequantize(layer: Linear) -> torch.Tensor:
+        qweight, _ = torch.ops.quantized.linear_unpack(layer.w8a8_packed)
+        return qweight.dequantize()
+
+
 class Fp8WeightOnlyMethod(_QuantizeOnLoad):
     """float8 e4m3 weights with a scale per output channel, for GPUs with fp8 support.
 
@@ -209,7 +239,9 @@ def make_quant_method(
         return Int4WeightOnlyMethod(group_size, symmetric, head)
     if quantization == "fp8":
         return Fp8WeightOnlyMethod()
-    raise ValueError(f"quantization must be int8, int4 or fp8, got {quantization!r}")
+    if quantization == "w8a8":
+        return W8A8DynamicMethod()
+    raise ValueError(f"quantization must be int8, int4, fp8 or w8a8, got {quantization!r}")
 
 
 def module_bytes(model: nn.Module) -> int:
@@ -219,4 +251,5 @@ def module_bytes(model: nn.Module) -> int:
         packed = getattr(m, "packed_weight", None)
         if isinstance(packed, torch.Tensor):
             total += packed.numel() * packed.element_size()
+        total += getattr(m, "opaque_weight_bytes", 0)  # weights a library holds outside tensors
     return total
