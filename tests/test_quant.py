@@ -44,7 +44,7 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
         assert deq.shape == original.shape
         # Within half a quantization step of the original weight...
         step = original.abs().amax(1, keepdim=True) / (
-            127 if isinstance(layer.method, Int8WeightOnlyMethod) else 7
+            7 if isinstance(layer.method, Int4WeightOnlyMethod) else 127
         )
         assert ((deq - original).abs() <= step * 0.5 + 1e-6).all(), name
         # ... and the fused kernel computes exactly with it (w8a8: up to its 8-bit activations).
@@ -58,7 +58,10 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
         assert "Int4WeightOnlyMethod" in kinds
         assert isinstance(quant.engine.runner.model.lm_head.method, Int8WeightOnlyMethod)  # head kept at int8
     # Linear layers store a quarter (int8) or less of their fp32 bytes, scales included.
-    stored = sum(b.numel() * b.element_size() for layer in quant_layers.values() for b in layer.buffers())
+    stored = sum(
+        sum(b.numel() * b.element_size() for b in layer.buffers()) + getattr(layer, "opaque_weight_bytes", 0)
+        for layer in quant_layers.values()
+    )
     original = sum(layer.weight.numel() * 4 for layer in float_layers.values())
     assert stored < 0.4 * original
 
