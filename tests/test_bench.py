@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -45,7 +46,7 @@ def _check_outputs(out_dir) -> dict:
 
 
 def test_bench_figures_agree_with_the_server(tmp_path, capsys) -> None:
-    with RemoteServer(log=tmp_path / "server.log") as server:
+    with RemoteServer("--gpu-hour-cost", "3.0", log=tmp_path / "server.log") as server:
         code = main(
             [
                 "bench",
@@ -85,6 +86,7 @@ def test_bench_figures_agree_with_the_server(tmp_path, capsys) -> None:
         assert s["itl"]["mean"] == pytest.approx(server["mean_itl"], rel=0.5, abs=0.005)
         assert server["mean_e2e"] - 0.005 <= s["e2e"]["mean"] <= server["mean_e2e"] + 0.1
         assert 0 <= server["prefix_cache_hit_rate"] <= 1
+        assert server["cost_per_million_generation_tokens"] > 0  # read from the server's /metrics
         # Goodput agrees with the per-request records.
         slo = parse_slo("ttft=1,tpot=0.5")
         good = sum(
@@ -167,6 +169,23 @@ def test_arrival_schedules() -> None:
         LengthDist.parse("9:3")
     with pytest.raises(ValueError, match="SLO metric"):
         parse_slo("latency=1")
+
+
+def test_synthetic_shared_prefix() -> None:
+    from dolmus.bench.dataset import PromptMaker, synthetic
+    from dolmus.config import DEFAULT_MODEL_DIR
+    from dolmus.engine.engine import load_tokenizer
+
+    maker = PromptMaker(load_tokenizer(str(DEFAULT_MODEL_DIR)), seed=1)
+    reqs = synthetic(
+        maker, 200, LengthDist(8, 8), LengthDist(4, 4), seed=2, shared_prefix_len=30, shared_prefix_ratio=0.5
+    )
+    shared = [r for r in reqs if r.prompt_len == 38]  # 30 shared + 8 own tokens
+    assert 70 <= len(shared) <= 130  # about half carry the prefix
+    prefix = os.path.commonprefix([r.prompt for r in shared])
+    assert len(prefix) >= 30  # one common text: the prefix cache can reuse it
+    assert not any(r.prompt.startswith(prefix) for r in reqs if r.prompt_len == 8)
+    assert synthetic(maker, 5, LengthDist(8, 8), LengthDist(4, 4), seed=2)[0].prompt_len == 8
 
 
 def test_sharegpt_loader(tmp_path) -> None:

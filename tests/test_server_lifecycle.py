@@ -64,7 +64,10 @@ def test_api_key_and_chat_template_override(tmp_path) -> None:
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
     env = {"DOLMUS_API_KEY": "sekret"}
-    with RemoteServer("--chat-template", str(template), env=env, log=tmp_path / "server.log") as server:
+    served = ["--served-model-name", "tiny-stories"]
+    with RemoteServer(
+        "--chat-template", str(template), *served, env=env, log=tmp_path / "server.log"
+    ) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200  # open for probes
         assert httpx.get(f"{server.url}/metrics").status_code == 200  # open for scrapers
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
@@ -77,7 +80,7 @@ def test_api_key_and_chat_template_override(tmp_path) -> None:
             openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
 
         client = openai.OpenAI(base_url=server.base_url, api_key="sekret", max_retries=0)
-        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert [m.id for m in client.models.list().data] == ["tiny-stories"]
         auth = {"Authorization": "Bearer sekret"}
         r = httpx.post(
             f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=auth
@@ -85,7 +88,7 @@ def test_api_key_and_chat_template_override(tmp_path) -> None:
         text = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
         assert text["prompt"] == "<<Hi>>"
         chat = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+            model="tiny-stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
         )
         assert chat.usage.prompt_tokens == len(r["tokens"])
 
