@@ -22,7 +22,8 @@ CONFIGS = {
     "bf16": {},
     "int8": {"quantization": "int8"},
     "w8a8 (int8 activations too)": {"quantization": "w8a8"},
-    "int4 g32 (int8 head)": {"quantization": "int4"},
+    "int4 g32 (w8a8 head)": {"quantization": "int4"},
+    "int4 g32 (int8 head)": {"quantization": "int4", "quant_lm_head": "int8"},
     "int4 g32 (int4 head)": {"quantization": "int4", "quant_lm_head": "int4"},
 }
 

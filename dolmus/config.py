@@ -69,7 +69,7 @@ class EngineConfig:
     quantization: str | None = None  # int8 | int4 | w8a8 (CPU kernels) | fp8 (CUDA), on load
     quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
     quant_symmetric: bool = False  # int4: no zero points
-    quant_lm_head: str = "int8"  # int4: the LM head's format (int8 or int4)
+    quant_lm_head: str = "w8a8"  # int4: the LM head's format (w8a8, int8 or int4)
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: scale per token and head
 
     def __post_init__(self) -> None:
@@ -87,8 +87,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be int8, int4, fp8 or w8a8, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
-        if self.quant_lm_head not in ("int8", "int4"):
-            raise ValueError(f"quant_lm_head must be int8 or int4, got {self.quant_lm_head!r}")
+        if self.quant_lm_head not in ("w8a8", "int8", "int4"):
+            raise ValueError(f"quant_lm_head must be w8a8, int8 or int4, got {self.quant_lm_head!r}")
         if self.quant_group_size not in (32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
         if self.dtype not in ("auto", *_DTYPES):

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from dolmus import LLM, EngineConfig
-from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod, make_quant_method
+from dolmus.quant.weight_only import (
+    Int4WeightOnlyMethod,
+    W8A8DynamicMethod,
+    make_quant_method,
+)
 from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
 
@@ -50,13 +54,13 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
         # ... and the fused kernel computes exactly with it (w8a8: up to its 8-bit activations).
         xi = torch.randn(5, layer.in_features, generator=gen)
         expected = xi @ deq.T + (layer.bias if layer.bias is not None else 0)
-        if kw["quantization"] == "w8a8":
+        if isinstance(layer.method, W8A8DynamicMethod):
             assert (layer(xi) - expected).norm() <= 0.03 * expected.norm()
         else:
             torch.testing.assert_close(layer(xi), expected, rtol=1e-4, atol=1e-4)
     if kw["quantization"] == "int4":
         assert "Int4WeightOnlyMethod" in kinds
-        assert isinstance(quant.engine.runner.model.lm_head.method, Int8WeightOnlyMethod)  # head kept at int8
+        assert isinstance(quant.engine.runner.model.lm_head.method, W8A8DynamicMethod)  # head kept at 8 bits
     # Linear layers store a quarter (int8) or less of their fp32 bytes, scales included.
     stored = sum(
         sum(b.numel() * b.element_size() for b in layer.buffers()) + getattr(layer, "opaque_weight_bytes", 0)
@@ -68,7 +72,13 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
 
 def test_quantized_engine_equals_a_float_engine_with_the_dequantized_weights(model_dir) -> None:
     """Batching, chunked prefill and prefix caching on top of int4 change nothing but the weights."""
-    quant = LLM(model=str(model_dir), dtype="float32", quantization="int4", max_num_batched_tokens=13)
+    quant = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        quantization="int4",
+        quant_lm_head="int8",
+        max_num_batched_tokens=13,
+    )
     ref = LLM(model=str(model_dir), dtype="float32", prepack_weights=False)
     for name, layer in _linears(quant).items():
         target = _linears(ref)[name]

@@ -132,7 +132,7 @@ def make_linear_method(
     quantization: str | None = None,
     group_size: int = 32,
     symmetric: bool = False,
-    head: str = "int8",
+    head: str = "w8a8",
 ) -> LinearMethod:
     if quantization is None:
         return UnquantizedLinearMethod(prepack=prepack)
