@@ -101,10 +101,6 @@ class AsyncEngine:
         """Sequences waiting for a seat, including those added since the latest step."""
         return self._stats.num_waiting + self._pending_adds
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # -- requests -------------------------------------------------------------------------
 
     async def generate(

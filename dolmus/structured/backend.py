@@ -75,7 +75,6 @@ class GrammarCache:
         self._compiled: dict[StructuredOutput, Any] = {}
         self._lock = threading.Lock()
         self.on_compiled = on_compiled
-        self.compile_seconds: list[float] = []
 
     def _get_backend(self) -> GrammarBackend:
         with self._lock:
@@ -94,7 +93,6 @@ class GrammarCache:
         with self._lock:
             if spec not in self._compiled:
                 self._compiled[spec] = compiled
-                self.compile_seconds.append(elapsed)
                 if self.on_compiled is not None:
                     self.on_compiled(elapsed)
             return self._compiled[spec]
