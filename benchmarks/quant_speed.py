@@ -21,10 +21,16 @@ from offline_throughput import THREADS, qwen05b_shape_dir  # noqa: E402
 CONFIGS = {
     "bf16": {},
     "int8": {"quantization": "int8"},
+    "int8, PyTorch's kernel": {"quantization": "int8", "native_kernels": False},
     "w8a8 (int8 activations too)": {"quantization": "w8a8"},
-    "int4 g32 (w8a8 head)": {"quantization": "int4"},
-    "int4 g32 (int8 head)": {"quantization": "int4", "quant_lm_head": "int8"},
+    "int4 g32 (int8 head)": {"quantization": "int4"},
     "int4 g32 (int4 head)": {"quantization": "int4", "quant_lm_head": "int4"},
+    "int4 g128 (int8 head)": {"quantization": "int4", "quant_group_size": 128},
+    "int4 g32, PyTorch's kernels (w8a8 head)": {
+        "quantization": "int4",
+        "quant_lm_head": "w8a8",
+        "native_kernels": False,
+    },
 }
 
 

@@ -68,7 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache storage: the model dtype, or int8/fp8 with a scale per token and head",
     )
     g.add_argument(
-        "--quant-lm-head", choices=["w8a8", "int8", "int4"], default=d.quant_lm_head, help="int4: head format"
+        "--quant-lm-head", choices=["int8", "w8a8", "int4"], default=d.quant_lm_head, help="int4: head format"
+    )
+    g.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=d.native_kernels,
+        help="our AVX-512 int8/int4 kernels for bf16 on CPU (else PyTorch's)",
     )
 
 

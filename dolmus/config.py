@@ -66,10 +66,11 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
-    quantization: str | None = None  # int8 | int4 | w8a8 (CPU kernels) | fp8 (CUDA), on load
+    quantization: str | None = None  # int8 | int4 | w8a8 (CPU) | fp8 (CUDA), on load
     quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
     quant_symmetric: bool = False  # int4: no zero points
-    quant_lm_head: str = "w8a8"  # int4: the LM head's format (w8a8, int8 or int4)
+    quant_lm_head: str = "int8"  # int4: the LM head's format (int8, w8a8 or int4)
+    native_kernels: bool = True  # our AVX-512 int8/int4 kernels for bf16 on CPU (built on first use)
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: scale per token and head
 
     def __post_init__(self) -> None:

@@ -11,7 +11,10 @@ from conftest import TOKENIZER_FILES, build_model_dir
 from safetensors.torch import load_file, save_file
 
 from dolmus import LLM
+from dolmus.quant import native
 from dolmus.quant.checkpoint import AWQ_ORDER, checkpoint_format, dequantize_layer
+from dolmus.quant.weight_only import Int4WeightOnlyMethod
+from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
 
 GROUP = 32
@@ -110,3 +113,40 @@ def test_unsupported_quantization_is_a_clear_error(tmp_path, model_root) -> None
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="bitsandbytes"):
         LLM(model=str(folder))
+
+
+@pytest.mark.skipif(
+    not native.cpu_supported() or native.find_compiler() is None, reason="needs our AVX-512 BF16 kernels"
+)
+@pytest.mark.parametrize(("method", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
+def test_prequantized_layers_run_as_stored_on_the_int4_kernel(
+    tmp_path, model_root, method, act_order
+) -> None:
+    """bf16: each 4-bit layer keeps its checkpoint codes (no float round trip) unless act order
+    scatters its groups; the model then agrees with a float model of the intended weights."""
+    src = build_model_dir("qwen2", model_root)
+    quant, dense, packed, floats, _ = _write_checkpoints(src, tmp_path, method, act_order)
+    ours = LLM(model=str(quant), dtype="bfloat16")
+    layers = {n: m for n, m in ours.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    for name, layer in layers.items():
+        if name == "lm_head":
+            assert not hasattr(layer, "checkpoint_layout")
+            continue
+        if act_order:
+            assert layer.checkpoint_layout == "dequantized"
+            continue
+        assert layer.checkpoint_layout == "int4 kernel" and layer.native_layout
+        assert isinstance(layer.method, Int4WeightOnlyMethod) and layer.method.group_size == GROUP
+        assert layer.weight.numel() == 0  # no float copy kept
+        # The intended weights, up to bf16 rounding of each group's scale and zero point.
+        fused = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}.get(name.rsplit(".", 1)[1])
+        keys = [name.rsplit(".", 1)[0] + f".{s}_proj.weight" for s in fused] if fused else [f"{name}.weight"]
+        intended = torch.cat([floats[k] for k in keys])
+        scales = torch.cat([packed[k.replace(".weight", ".scales")].float().T for k in keys])
+        step = scales.repeat_interleave(GROUP, dim=1)
+        assert ((layer.method.dequantize(layer) - intended).abs() <= step * 0.04 + 1e-7).all(), name
+    reference = LLM(model=str(dense), dtype="bfloat16")
+    ids = random_prompts(lengths=(120,), seed=4)[0]
+    a = ours.engine.prompt_logprobs(ids, chunk_size=1).float()  # decode-sized steps: the kernel
+    b = reference.engine.prompt_logprobs(ids, chunk_size=1).float()
+    assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3

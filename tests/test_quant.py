@@ -10,6 +10,7 @@ import torch
 from dolmus import LLM, EngineConfig
 from dolmus.quant.weight_only import (
     Int4WeightOnlyMethod,
+    Int8WeightOnlyMethod,
     W8A8DynamicMethod,
     make_quant_method,
 )
@@ -60,7 +61,9 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
             torch.testing.assert_close(layer(xi), expected, rtol=1e-4, atol=1e-4)
     if kw["quantization"] == "int4":
         assert "Int4WeightOnlyMethod" in kinds
-        assert isinstance(quant.engine.runner.model.lm_head.method, W8A8DynamicMethod)  # head kept at 8 bits
+        assert isinstance(
+            quant.engine.runner.model.lm_head.method, Int8WeightOnlyMethod
+        )  # head kept at 8 bits
     # Linear layers store a quarter (int8) or less of their fp32 bytes, scales included.
     stored = sum(
         sum(b.numel() * b.element_size() for b in layer.buffers()) + getattr(layer, "opaque_weight_bytes", 0)
@@ -111,7 +114,9 @@ def test_bad_quantization_settings() -> None:
     with pytest.raises(ValueError, match="quant_group_size"):
         EngineConfig(quantization="int4", quant_group_size=48)
     with pytest.raises(ValueError, match="quant_group_size"):
-        Int4WeightOnlyMethod(group_size=16)
+        Int4WeightOnlyMethod(group_size=16, native=False)
+    with pytest.raises(ValueError, match="quant_group_size"):
+        Int4WeightOnlyMethod(group_size=33)
 
 
 def test_fp8_weights_refuse_the_cpu_and_compute_with_their_dequantized_weights(model_dir) -> None:

@@ -1,9 +1,12 @@
-"""Pre-quantized Hugging Face checkpoints: GPTQ and AWQ (4-bit), dequantized on load.
+"""Pre-quantized Hugging Face checkpoints: GPTQ and AWQ (4-bit).
 
 The checkpoint's `quantization_config` names the format. Each quantized layer arrives as
-`qweight`/`qzeros`/`scales` (plus `g_idx` for GPTQ); they are unpacked here into the float
-weight the model would have had, so every model and kernel path takes them unchanged
-(add `--quantization int4` to run them on the int4 kernel again). Formats, as published:
+`qweight`/`qzeros`/`scales` (plus `g_idx` for GPTQ) and is unpacked here into `Int4Codes`:
+the layer's own 4-bit codes with a scale and zero per group, which a bf16 CPU layer runs
+as stored on our int4 kernel (weight_only.adopt_checkpoint_codes). Where that kernel cannot
+take them (no kernel here, fp32 runs, an act-order GPTQ whose `g_idx` scatters the groups)
+the layer gets the float weight the codes stand for, dequantized on load. Formats, as
+published:
 
 - GPTQ: `qweight` int32 [K/8, N], eight 4-bit codes per int32 along the input dimension,
   low bits first; `qzeros` int32 [groups, N/8] along the output dimension, stored minus one
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +30,28 @@ logger = logging.getLogger(__name__)
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass
+class Int4Codes:
+    """One layer's 4-bit weight as stored: w[n, k] = (codes[n, k] - zeros[n, g]) * scale[n, g]
+    for k in group g = k // group, or g = g_idx[k] where act order scatters the groups."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    zeros: torch.Tensor  # [N, groups] float32 (small integers)
+    scale: torch.Tensor  # [N, groups] float32
+    group: int
+    g_idx: torch.Tensor | None = None  # [K], only where the groups are not contiguous
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return (self.codes.float() - self.zeros[:, self.g_idx]) * self.scale[:, self.g_idx]
+        zeros = self.zeros.repeat_interleave(self.group, dim=1)
+        return (self.codes.float() - zeros) * self.scale.repeat_interleave(self.group, dim=1)
 
 
 def checkpoint_format(quantization_config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -65,32 +91,56 @@ def _unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8)))
     return out.reshape(packed.shape[0], packed.shape[1] * 8)
 
 
-def dequantize_layer(fmt: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float weight [N, K] of one quantized linear layer."""
+def _layer_codes(fmt: dict[str, Any], parts: dict[str, torch.Tensor]):
+    """codes [K, N], zeros [groups, N], scales [groups, N] float, group of each input [K]."""
     scales = parts["scales"].float()
     if fmt["method"] == "gptq":
-        codes = _unpack_rows(parts["qweight"])  # [K, N]
+        codes = _unpack_rows(parts["qweight"])
         zeros = _unpack_cols(parts["qzeros"])[:, : scales.shape[1]]
         if fmt["zeros_minus_one"]:
             zeros = zeros + 1
-        k = codes.shape[0]
         g_idx = parts.get("g_idx")
-        groups = g_idx.long() if g_idx is not None else torch.arange(k) // fmt["group_size"]
+        k = codes.shape[0]
+        groups = g_idx.long() if g_idx is not None else torch.arange(k) // _group(fmt, k)
     else:
-        codes = _unpack_cols(parts["qweight"], AWQ_ORDER)  # [K, N]
+        codes = _unpack_cols(parts["qweight"], AWQ_ORDER)
         zeros = _unpack_cols(parts["qzeros"], AWQ_ORDER)
-        groups = torch.arange(codes.shape[0]) // fmt["group_size"]
+        groups = torch.arange(codes.shape[0]) // _group(fmt, codes.shape[0])
+    return codes, zeros, scales, groups
+
+
+def _group(fmt: dict[str, Any], k: int) -> int:
+    return k if fmt["group_size"] <= 0 else fmt["group_size"]  # -1: one group per row
+
+
+def dequantize_layer(fmt: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float weight [N, K] of one quantized linear layer."""
+    codes, zeros, scales, groups = _layer_codes(fmt, parts)
     weight = (codes.float() - zeros[groups].float()) * scales[groups]
     return weight.T.contiguous()
 
 
-def dequantize_stream(
+def unpack_layer(fmt: dict[str, Any], parts: dict[str, torch.Tensor]) -> Int4Codes:
+    """The layer's codes, zero points and scales as stored."""
+    codes, zeros, scales, groups = _layer_codes(fmt, parts)
+    k = codes.shape[0]
+    group = _group(fmt, k)
+    contiguous = k % group == 0 and torch.equal(groups, torch.arange(k) // group)
+    return Int4Codes(
+        codes.T.to(torch.uint8).contiguous(),
+        zeros.T.float().contiguous(),
+        scales.T.contiguous(),
+        group,
+        None if contiguous else groups,
+    )
+
+
+def unpack_stream(
     fmt: dict[str, Any], weights: Iterator[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | Int4Codes]]:
     """Pass float tensors through; turn each layer's quantized parts into `<layer>.weight`."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     needed = {"qweight", "qzeros", "scales"}
-    count = 0
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
         if part not in _PARTS:
@@ -99,16 +149,9 @@ def dequantize_stream(
         parts = pending.setdefault(prefix, {})
         parts[part] = tensor
         if needed <= parts.keys() and (fmt["method"] != "gptq" or "g_idx" in parts):
-            yield f"{prefix}.weight", dequantize_layer(fmt, pending.pop(prefix))
-            count += 1
+            yield f"{prefix}.weight", unpack_layer(fmt, pending.pop(prefix))
     for prefix, parts in pending.items():  # GPTQ checkpoints without g_idx
         if needed <= parts.keys():
-            yield f"{prefix}.weight", dequantize_layer(fmt, parts)
-            count += 1
+            yield f"{prefix}.weight", unpack_layer(fmt, parts)
         else:
             raise ValueError(f"model: {prefix} lacks {sorted(needed - parts.keys())}")
-    logger.info(
-        "%s checkpoint: %d 4-bit layers dequantized on load (no fused kernel for it here)",
-        fmt["method"].upper(),
-        count,
-    )

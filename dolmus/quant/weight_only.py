@@ -1,19 +1,22 @@
-"""Weight-only int8 and int4 quantization on load, run by PyTorch's fused CPU kernels.
+"""Weight-only int8 and int4 quantization on load, run by fused CPU kernels.
 
 Decode at batch 1 reads every weight once per token, so fewer bytes per weight is speed:
 the checkpoint loads in its float dtype as usual, then each linear layer quantizes itself
-in `process_weights_after_loading` and multiplies with
+in `process_weights_after_loading`:
 
-- int8, per output channel, symmetric: `aten._weight_int8pack_mm`;
-- int4, group-wise (32/64/128 inputs per group), with zero points or symmetric:
-  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+- int8, per output channel, symmetric;
+- int4, group-wise (32/64/128 inputs per group), with zero points or symmetric. Dequantized,
+  an int4 weight is (q - 8) * scale + zero per group (zero = 0 when symmetric), PyTorch's
+  convention.
 
-Dequantized, an int4 weight is (q - 8) * scale + zero per group (zero = 0 when symmetric):
-the convention of those kernels. A layer whose input size is not a multiple of the group
-size, or whose output size is not a multiple of 16, falls back to int8 (logged). Under int4
-the LM head is w8a8 by default (`quant_lm_head`): a 151,936-wide head is a quarter of a 0.5B
-model, and at 8 bits it keeps quality (as llama.cpp keeps its output layer at higher
-precision) while fbgemm's int8 kernel runs it about as fast as int4 would.
+bf16 layers multiply with our AVX-512 kernels (native.py, cpu_kernels.c), which stream the
+weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512 BF16, no C
+compiler, `native_kernels=False`) with PyTorch's `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. A layer whose
+input size is not a multiple of the group size (or, on PyTorch's int4 kernel, whose output
+size is not a multiple of 16) is int8 instead, logged. Under int4 the LM head is int8 by
+default (`quant_lm_head`): a 151,936-wide head is a quarter of a 0.5B model, and at 8 bits
+it keeps quality, as llama.cpp keeps its output layer at higher precision.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dolmus.quant import native
 from dolmus.runtime.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -60,19 +64,33 @@ class _QuantizeOnLoad(LinearMethod):
 
 
 class Int8WeightOnlyMethod(_QuantizeOnLoad):
-    # The kernel reads past the end of rows whose length is not a multiple of 16 (a crash
-    # with more than one input row, seen in torch 2.13): such weights get zero columns.
+    # PyTorch's kernel reads past the end of rows whose length is not a multiple of 16 (a
+    # crash with more than one input row, seen in torch 2.13): such weights get zero columns.
     _K_MULTIPLE = 16
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native  # our AVX-512 kernel for bf16 layers where it builds (native.py)
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
         q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+        scale = scale.to(layer.weight.dtype)
+        layer.int8_shape = tuple(w.shape)
+        layer.native_layout = _use_native(self.native, layer)
+        if layer.native_layout:
+            packed, scale = native.pack_int8(q, scale)
+            _set_buffer(layer, "qweight", packed)
+            _set_buffer(layer, "scales", scale)
+            return
         layer.int8_pad = -w.shape[1] % self._K_MULTIPLE
         _set_buffer(layer, "qweight", F.pad(q, (0, layer.int8_pad)))
-        _set_buffer(layer, "scales", scale.to(layer.weight.dtype))
+        _set_buffer(layer, "scales", scale)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         flat = self._flat(x)
+        if layer.native_layout:
+            y = native.int8_matmul(flat, layer.qweight, layer.scales, layer.int8_shape[0])
+            return self._finish(layer, y, x.shape)
         if layer.int8_pad:
             flat = F.pad(flat, (0, layer.int8_pad))
         y = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
@@ -80,20 +98,27 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
 
     @staticmethod
     def dequantize(layer: Linear) -> torch.Tensor:
-        k = layer.qweight.shape[1] - layer.int8_pad
+        n, k = layer.int8_shape
+        if layer.native_layout:
+            codes = layer.qweight.transpose(1, 2).reshape(-1, k)[:n]
+            return codes.float() * layer.scales[:n, None]
         return layer.qweight[:, :k].float() * layer.scales.float()[:, None]
 
 
 class Int4WeightOnlyMethod(_QuantizeOnLoad):
-    def __init__(self, group_size: int = 32, symmetric: bool = False, head: str = "w8a8") -> None:
-        if group_size not in INT4_GROUP_SIZES:
+    def __init__(
+        self, group_size: int = 32, symmetric: bool = False, head: str = "int8", native: bool = True
+    ) -> None:
+        # PyTorch's kernel takes these groups; ours any even size (a checkpoint's may differ)
+        if group_size not in INT4_GROUP_SIZES and not (native and group_size > 0 and group_size % 2 == 0):
             raise ValueError(f"quant_group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         if head not in LM_HEAD_FORMATS:
             raise ValueError(f"quant_lm_head must be one of {LM_HEAD_FORMATS}, got {head!r}")
         self.group_size = group_size
         self.symmetric = symmetric
         self.head = head
-        self._int8 = Int8WeightOnlyMethod()
+        self.native = native
+        self._int8 = Int8WeightOnlyMethod(native)
 
     def head_method(self) -> LinearMethod:
         if self.head == "int4":
@@ -103,7 +128,8 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
         n, k = w.shape
         g = self.group_size
-        if k % g or n % 16:  # the kernel's layout needs both
+        layer.native_layout = _use_native(self.native, layer)
+        if k % g or (n % 16 and not layer.native_layout):  # PyTorch's kernel layout needs both
             logger.info("int4: a %dx%d layer does not fit groups of %d (or 16 outputs); it is int8", n, k, g)
             layer.method = self._int8  # this layer's compute follows its storage
             self._int8.quantize(layer, w)
@@ -118,21 +144,43 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
             scale = ((high - low) / 15).clamp(min=1e-8)
             zero = low + 8 * scale  # the kernels' zero: the value of code 8
             q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        codes = q.to(torch.int32).reshape(n, k)
+        self.store(layer, q.to(torch.int32).reshape(n, k), scale, zero)
+
+    def store(self, layer: Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Codes [N, K] in 0..15 with scale and zero [N, K/group] into the kernel's layout."""
+        n, k = codes.shape
+        layer.int4_codes_shape = (n, k)
+        if layer.native_layout:
+            packed, scales, zeros = native.pack_int4(codes, scale, zero)
+            _set_buffer(layer, "qweight", packed)
+            _set_buffer(layer, "scales", scales)
+            _set_buffer(layer, "zeros", zeros)
+            return
         _set_buffer(layer, "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [k/g, n, 2]
         _set_buffer(layer, "scales_zeros", scales_zeros.to(layer.weight.dtype))
-        layer.int4_codes_shape = (n, k)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.native_layout:
+            n = layer.int4_codes_shape[0]
+            y = native.int4_matmul(
+                self._flat(x), layer.qweight, layer.scales, layer.zeros, n, self.group_size
+            )
+            return self._finish(layer, y, x.shape)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._flat(x), layer.qweight, self.group_size, layer.scales_zeros
         )
         return self._finish(layer, y, x.shape)
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
-        """The float weight the kernel computes with (an identity matrix through the kernel)."""
+        """The float weight the kernel computes with."""
         n, k = layer.int4_codes_shape
+        if layer.native_layout:
+            codes = native.unpack_int4(layer.qweight, n, k).float()
+            scale = layer.scales[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
+            zero = layer.zeros[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
+            return (codes - 8) * scale + zero
+        # PyTorch's layout: an identity matrix through the kernel
         eye = torch.eye(k, dtype=layer.scales_zeros.dtype)
         return (
             torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -147,9 +195,9 @@ class W8A8DynamicMethod(_QuantizeOnLoad):
     """int8 weights (per channel) times int8 activations quantized per call (fbgemm).
 
     Not weight-only: each call quantizes its input to int8 too, so the product runs on the
-    CPU's int8 dot-product units. Measured here it is ~2x bf16 at batch 1 and still ~1.6x at
-    batch 32, where the weight-only int8 kernel is slower than bf16; the price is a little
-    more error (activations at 8 bits).
+    CPU's int8 dot-product units. Measured here it is ~1.7x bf16 at batch 1 (our int8
+    kernel: ~2.3x) and still ~1.6x at batch 32, where weight-only int8 is slower than bf16;
+    the price is a little more error (activations at 8 bits).
     """
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
@@ -226,6 +274,43 @@ def _has_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def adopt_checkpoint_codes(layer: Linear) -> bool:
+    """Run a GPTQ/AWQ layer's codes as stored on our int4 kernel, if it can take them;
+    else write the float weight they stand for into the layer (False: quantize as usual)."""
+    parts, layer.checkpoint_codes = layer.checkpoint_codes, {}
+    groups = {p.group for p in parts.values()}
+    group = groups.pop() if len(groups) == 1 else 0
+    fits = (
+        parts.keys() == layer.shard_offsets.keys()
+        and all(p.g_idx is None for p in parts.values())  # act order scatters the groups
+        and group % 2 == 0
+        and layer.in_features % group == 0
+        and _use_native(getattr(layer.method, "native", True), layer)
+    )
+    if not fits:
+        for shard, p in parts.items():
+            start, size = layer.shard_offsets[shard]
+            layer.weight.data.narrow(0, start, size).copy_(p.dequantize())
+        layer.checkpoint_layout = "dequantized"
+        return False
+    ordered = [parts[shard] for shard in layer.shard_offsets]  # the stacking order
+    scale = torch.cat([p.scale for p in ordered])
+    zeros = torch.cat([p.zeros for p in ordered])
+    layer.method = Int4WeightOnlyMethod(group, native=True)
+    layer.native_layout = True
+    # (q - z) * s == (q - 8) * s + (8 - z) * s: our kernel's zero is the value of code 8
+    layer.method.store(layer, torch.cat([p.codes for p in ordered]), scale, (8 - zeros) * scale)
+    if not layer.weight_shared:
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+    layer.checkpoint_layout = "int4 kernel"
+    return True
+
+
+def _use_native(wanted: bool, layer: Linear) -> bool:
+    """Our kernels take bf16 activations: bf16 CPU layers use them where they build."""
+    return wanted and layer.weight.dtype == torch.bfloat16 and native.library() is not None
+
+
 def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:
     if name in layer._buffers:
         layer._buffers[name] = value
@@ -234,12 +319,12 @@ def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:
 
 
 def make_quant_method(
-    quantization: str, group_size: int, symmetric: bool, head: str = "w8a8"
+    quantization: str, group_size: int, symmetric: bool, head: str = "int8", native_kernels: bool = True
 ) -> LinearMethod:
     if quantization == "int8":
-        return Int8WeightOnlyMethod()
+        return Int8WeightOnlyMethod(native_kernels)
     if quantization == "int4":
-        return Int4WeightOnlyMethod(group_size, symmetric, head)
+        return Int4WeightOnlyMethod(group_size, symmetric, head, native_kernels)
     if quantization == "fp8":
         return Fp8WeightOnlyMethod()
     if quantization == "w8a8":

@@ -1,10 +1,12 @@
 """llama.cpp GGUF files as a model source: config, tokenizer and weights.
 
 transformers reads the architecture and the tokenizer from the file's metadata; the gguf
-package reads the tensors, and every type it knows (F32, F16, BF16, Q8_0, Q4_0, Q4_K,
-Q6_K, ...) is dequantized to float on load (add --quantization to requantize for our
-kernels). Names map back to Hugging Face's, and for Llama and Mistral the q/k rows are
-permuted back from llama.cpp's interleaved rotary layout to Hugging Face's halves.
+package reads the tensors. Q4_0 linear weights keep their codes (`Int4Codes`: blocks of 32
+with one scale, w = d * (q - 8)), so bf16 CPU runs use them as stored on our int4 kernel;
+every other type it knows (F32, F16, BF16, Q8_0, Q4_K, Q6_K, ...) is dequantized to float
+on load (add --quantization to requantize for our kernels). Names map back to Hugging
+Face's, and for Llama and Mistral the q/k rows are permuted back from llama.cpp's
+interleaved rotary layout to Hugging Face's halves.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from dolmus.quant.checkpoint import Int4Codes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _IGNORED = ("rope_freqs.weight",)  # recomputed from the config
+_LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -107,6 +113,7 @@ def iter_gguf_weights(
 
         bar = tqdm(total=len(reader.tensors), desc="Loading GGUF", unit="tensor", leave=False)
     quantized: set[str] = set()
+    kept: set[str] = set()
     permuted = architecture in (_ARCHITECTURES[a] for a in _PERMUTED)
     for t in reader.tensors:
         if bar is not None:
@@ -115,19 +122,43 @@ def iter_gguf_weights(
             continue
         name = _hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
+        tensor: torch.Tensor | Int4Codes
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            array = t.data
+            tensor = torch.from_numpy(t.data.reshape(shape).copy())
+        elif t.tensor_type == gguf.GGMLQuantizationType.Q4_0 and name.endswith(_LINEAR_WEIGHTS):
+            kept.add(t.tensor_type.name)
+            tensor = q4_0_codes(np.asarray(t.data), shape)
         else:
             quantized.add(t.tensor_type.name)
             array = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(array.reshape(shape).copy())
+            tensor = torch.from_numpy(array.reshape(shape).copy())
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            tensor = _unpermute(tensor, num_heads if "q_proj" in name else num_kv_heads)
+            heads = num_heads if "q_proj" in name else num_kv_heads
+            if isinstance(tensor, Int4Codes):  # rows move with their scales
+                tensor = Int4Codes(
+                    *(_unpermute(x, heads) for x in (tensor.codes, tensor.zeros, tensor.scale)), 32
+                )
+            else:
+                tensor = _unpermute(tensor, heads)
         yield name, tensor
     if bar is not None:
         bar.close()
     if quantized:
         logger.info("GGUF: dequantized %s tensors to float on load", ", ".join(sorted(quantized)))
+    if kept:
+        logger.info("GGUF: %s linear weights keep their 4-bit codes (int4 kernel where it runs)", *kept)
+
+
+def q4_0_codes(data: np.ndarray, shape: tuple[int, ...]) -> Int4Codes:
+    """A Q4_0 tensor's codes: 18-byte blocks of an fp16 scale d and 16 bytes holding weight j
+    in the low nibble of byte j and weight j + 16 in the high one; w = d * (q - 8)."""
+    rows, cols = shape
+    blocks = data.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    qs = blocks[:, 2:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=1).reshape(rows, cols)
+    scale = torch.from_numpy(d)
+    return Int4Codes(torch.from_numpy(codes.copy()), torch.full_like(scale, 8.0), scale, 32)
 
 
 def hf_to_gguf_name(name: str) -> str:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dolmus.config import ModelConfig
-from dolmus.quant.checkpoint import checkpoint_format, dequantize_stream
+from dolmus.quant.checkpoint import checkpoint_format, unpack_stream
 from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
@@ -58,6 +58,23 @@ def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[st
         bar.close()
 
 
+def _log_checkpoint_layers(method: str, model: nn.Module) -> None:
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        layout = getattr(m, "checkpoint_layout", None)
+        if layout:
+            counts[layout] = counts.get(layout, 0) + 1
+    logger.info(
+        "%s checkpoint: %d 4-bit layers run as stored on the int4 kernel, %d dequantized on load%s",
+        method.upper(),
+        counts.get("int4 kernel", 0),
+        counts.get("dequantized", 0),
+        " (no int4 kernel for them here: it needs bf16 on an AVX-512 BF16 CPU and contiguous groups)"
+        if counts.get("dequantized")
+        else "",
+    )
+
+
 def load_model(
     folder: Path,
     cfg: ModelConfig,
@@ -74,12 +91,14 @@ def load_model(
         weights = iter_weights(safetensors_files(folder), progress)
     fmt = checkpoint_format(cfg.quantization_config)
     if fmt is not None:
-        weights = dequantize_stream(fmt, weights)
+        weights = unpack_stream(fmt, weights)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()
+    if fmt is not None:
+        _log_checkpoint_layers(fmt["method"], model)
     size = module_bytes(model)
     logger.info("loaded %s from %s: %.1f MB of weights in %s", cfg.architecture, folder, size / 1e6, dtype)
     return model

@@ -74,6 +74,7 @@ class ModelRunner:
                 config.quant_group_size,
                 config.quant_symmetric,
                 config.quant_lm_head,
+                config.native_kernels,
             ),
             get_backend("torch"),
             max_model_len,

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dolmus.quant.checkpoint import Int4Codes
+
 
 class LinearMethod(ABC):
     """How a linear layer's weight is created, post-processed after loading, and applied."""
@@ -97,13 +99,16 @@ class Linear(nn.Module):
         self.out_features = offset
         self.has_bias = bias
         self.weight_shared = False  # set when another module owns the same storage (tied head)
+        self.checkpoint_codes: dict[str | None, Int4Codes] = {}  # GPTQ/AWQ shards, as stored
         self.method = method
         method.create_weights(self, dtype)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | Int4Codes, shard: str | None = None
+    ) -> None:
         start, size = self.shard_offsets[shard]
         target = param.data.narrow(0, start, size)
         if tuple(loaded.shape) != tuple(target.shape):
@@ -111,9 +116,17 @@ class Linear(nn.Module):
                 f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)} "
                 f"(shard {shard!r} of a {self.out_features}x{self.in_features} layer)"
             )
+        if isinstance(loaded, Int4Codes):
+            self.checkpoint_codes[shard] = loaded  # placed once every shard is in
+            return
         target.copy_(loaded)
 
     def process_weights_after_loading(self) -> None:
+        if self.checkpoint_codes:
+            from dolmus.quant.weight_only import adopt_checkpoint_codes
+
+            if adopt_checkpoint_codes(self):
+                return
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,10 +145,11 @@ def make_linear_method(
     quantization: str | None = None,
     group_size: int = 32,
     symmetric: bool = False,
-    head: str = "w8a8",
+    head: str = "int8",
+    native_kernels: bool = True,
 ) -> LinearMethod:
     if quantization is None:
         return UnquantizedLinearMethod(prepack=prepack)
     from dolmus.quant.weight_only import make_quant_method
 
-    return make_quant_method(quantization, group_size, symmetric, head)
+    return make_quant_method(quantization, group_size, symmetric, head, native_kernels)

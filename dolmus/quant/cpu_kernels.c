@@ -1,0 +1,193 @@
+/* Weight-only int8 and int4 matrix kernels for x86 CPUs with AVX-512 (and AVX-512 BF16).
+ *
+ * Decode multiplies a few activation rows by every weight of the model, so its speed is
+ * how fast weights stream from memory. PyTorch's int8 CPU kernel keeps weights row by row
+ * and ends every output with a horizontal sum; on short rows (896 inputs) that halves the
+ * bandwidth it reaches. Here weights are packed in blocks of 64 output rows, column by
+ * column, so each 64-byte line of codes feeds 64 outputs directly: no horizontal sums, one
+ * sequential stream per thread.
+ *
+ *   int8: P[b][k][j]  = q[64b + j][k]                              (int8, j < 64)
+ *   int4: P[b][p][.]  = 64 bytes holding q[64b + o][2p + e] for o < 64, e < 2: output
+ *         o = 32s + 16h + 4l + i in byte 16l + 8h + 2i + e, low nibble for s = 0, high for 1
+ *         (the order AVX-512's in-lane byte interleave produces; see nibbles_to_bf16_pairs)
+ *
+ * y[m][n] = sum_k x[m][k] w[n][k], activations and outputs in bf16, sums in float32:
+ *   int8: w = q * scale[n]
+ *   int4: w = (q - 8) * scale[g][n] + zero[g][n] for k in group g (PyTorch's convention).
+ * int4 codes become bf16 pairs without a conversion: 0x4300 | q is the bf16 number 128 + q,
+ * so one AVX-512 BF16 dot product handles two inputs, and per group
+ *   sum x (q - 8) = sum x (128 + q) - 136 sum x.
+ *
+ * Blocks past N are zero padded; outputs past N are not written. Threads: OpenMP, which
+ * resolves to the libgomp PyTorch has already loaded (same soname), so these kernels share
+ * PyTorch's thread pool and follow torch.set_num_threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define MR 4 /* activation rows per pass over a block: codes are unpacked once per pass */
+
+static inline __m512 bf16_broadcast(const uint16_t *p) {
+    uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return _mm512_set1_ps(f);
+}
+
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
+    __mmask16 mask = valid >= 16 ? 0xFFFF : (valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1));
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __m512 int8x16_to_ps(const int8_t *c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* The 64 bytes of one pair of inputs (k, k + 1) of a block -> 4 vectors of 16 lanes, lane i of
+ * vector v holding the bf16 pair (128 + q[16v + i][k], 128 + q[16v + i][k + 1]). Nibbles are
+ * split with two ANDs and a shift, and 0x43 is interleaved in as every bf16's high byte. */
+static inline void nibbles_to_bf16_pairs(const uint8_t *c, __m512bh w[4]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high_byte = _mm512_set1_epi8(0x43);
+    __m512i b = _mm512_loadu_si512((const void *)c);
+    __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+    w[0] = (__m512bh)_mm512_unpacklo_epi8(lo, high_byte);
+    w[1] = (__m512bh)_mm512_unpackhi_epi8(lo, high_byte);
+    w[2] = (__m512bh)_mm512_unpacklo_epi8(hi, high_byte);
+    w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, high_byte);
+}
+
+/* y[M][N] = x[M][K] times int8 weights; scale: [Npad] float. */
+void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K) {
+    int64_t blocks = (N + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *pb = packed + b * K * 64;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t rows = M - m0 < MR ? M - m0 : MR;
+            __m512 acc[MR][4];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k++) {
+                const int8_t *c = pb + k * 64;
+                __m512 w0 = int8x16_to_ps(c), w1 = int8x16_to_ps(c + 16);
+                __m512 w2 = int8x16_to_ps(c + 32), w3 = int8x16_to_ps(c + 48);
+                for (int i = 0; i < MR && i < rows; i++) {
+                    __m512 xv = bf16_broadcast(x + (m0 + i) * K + k);
+                    acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+                    acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+                    acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+                    acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 4; j++) {
+                    __m512 s = _mm512_loadu_ps(scale + b * 64 + 16 * j);
+                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, _mm512_mul_ps(acc[i][j], s),
+                               N - b * 64 - 16 * j);
+                }
+        }
+    }
+}
+
+/* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even. */
+void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
+                      const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                      int64_t group) {
+    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    if (!xsum) return;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0;
+            for (int64_t k = g * group; k < (g + 1) * group; k++) s += _mm512_cvtss_f32(bf16_broadcast(x + m * K + k));
+            xsum[m * groups + g] = s;
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *pb = packed + b * (K / 2) * 64;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t rows = M - m0 < MR ? M - m0 : MR;
+            __m512 total[MR][4];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 acc[MR][4];
+                for (int i = 0; i < MR; i++)
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+                for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+                    __m512bh w[4];
+                    nibbles_to_bf16_pairs(pb + (k / 2) * 64, w);
+                    for (int i = 0; i < MR && i < rows; i++) {
+                        int32_t pair;
+                        memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
+                        __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+                    }
+                }
+                const uint16_t *sg = scale + g * npad + b * 64, *zg = zero + g * npad + b * 64;
+                for (int j = 0; j < 4; j++) {
+                    __m512 s = bf16x16_to_ps(sg + 16 * j), z = bf16x16_to_ps(zg + 16 * j);
+                    for (int i = 0; i < MR && i < rows; i++) {
+                        __m512 xs = _mm512_set1_ps(xsum[(m0 + i) * groups + g]);
+                        __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[i][j]);
+                        total[i][j] = _mm512_fmadd_ps(dot, s, _mm512_fmadd_ps(xs, z, total[i][j]));
+                    }
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 4; j++)
+                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
+        }
+    }
+    free(xsum);
+}
+
+/* Rows [n0, n1) of the weight as bf16, row-major [n1 - n0][K]: large batches multiply
+ * with PyTorch's bf16 GEMM, which is faster there than unpacking codes per activation row. */
+void dolmus_int8_dequant(const int8_t *packed, const float *scale, uint16_t *out,
+                         int64_t n0, int64_t n1, int64_t K) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *pb = packed + (n / 64) * K * 64 + n % 64;
+        uint16_t *row = out + (n - n0) * K;
+        float s = scale[n];
+        for (int64_t k = 0; k < K; k++) {
+            float v = pb[k * 64] * s;
+            uint32_t bits;
+            memcpy(&bits, &v, sizeof bits);
+            row[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
+        }
+    }
+}
+
+void dolmus_int4_dequant(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                         uint16_t *out, int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t group) {
+    int64_t npad = (N + 63) / 64 * 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        /* output o = 32s + 16h + 4l + i sits in byte 16l + 8h + 2i + (k & 1), nibble s */
+        int64_t o = n % 64, sh = o / 32, h = (o / 16) % 2, l = (o / 4) % 4, i = o % 4;
+        const uint8_t *pb = packed + (n / 64) * (K / 2) * 64 + 16 * l + 8 * h + 2 * i;
+        uint16_t *row = out + (n - n0) * K;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t g = k / group;
+            float s = _mm512_cvtss_f32(bf16_broadcast(scale + g * npad + n));
+            float z = _mm512_cvtss_f32(bf16_broadcast(zero + g * npad + n));
+            uint8_t byte = pb[(k / 2) * 64 + (k & 1)];
+            int q = sh ? byte >> 4 : byte & 0xF;
+            float v = (q - 8) * s + z;
+            uint32_t bits;
+            memcpy(&bits, &v, sizeof bits);
+            row[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+    }
+}
