@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import TOKENIZER_FILES, build_model_dir
@@ -101,3 +102,117 @@ def test_convert_refuses_what_it_cannot_write(tmp_path, capsys, model_root) -> N
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="GGUF"):
         LLM(model=str(tmp_path / "bad.gguf"))
+
+
+def _q4_k_blocks(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Pack [N, K] (K a multiple of 256) as llama.cpp's Q4_K: 144-byte super-blocks of an fp16
+    scale d and min dmin, twelve bytes of 6-bit sub-block scales and mins (eight blocks of 32),
+    and 128 bytes of 4-bit codes; w = d * sc * q - dmin * m. Returns (bytes [N, K/256*144],
+    the weights those bytes decode to)."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 8, 32)
+    low, high = sub.amin(-1), sub.amax(-1)
+    scale, mins = ((high - low) / 15).clamp(min=1e-8), (-low).clamp(min=0)
+    d = (scale.amax(-1) / 63).half().float().clamp(min=2**-14)
+    dmin = (mins.amax(-1) / 63).half().float().clamp(min=2**-14)
+    sc = torch.round(scale / d[..., None]).clamp(1, 63).long()
+    m = torch.round(mins / dmin[..., None]).clamp(0, 63).long()
+    step, offset = d[..., None] * sc.float(), dmin[..., None] * m.float()
+    q = torch.round((sub + offset[..., None]) / step[..., None]).clamp(0, 15).long()
+    decoded = (step[..., None] * q.float() - offset[..., None]).reshape(n, k)
+    scales = torch.cat(
+        [
+            sc[..., :4] | (sc[..., 4:] >> 4) << 6,
+            m[..., :4] | (m[..., 4:] >> 4) << 6,
+            (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4,
+        ],
+        dim=-1,
+    ).to(torch.uint8)
+    pairs = q.reshape(n, k // 256, 4, 2, 32)  # 64 weights per 32 bytes: the first 32 in low nibbles
+    qs = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(n, k // 256, 128).to(torch.uint8)
+    header = torch.stack([d, dmin], -1).half().view(torch.uint8)  # [n, blocks, 4]
+    blocks = torch.cat([header, scales, qs], dim=-1)
+    return blocks.reshape(n, -1).numpy(), decoded
+
+
+def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> None:
+    """A mixed file as llama.cpp's K-quant presets make them: rows of 256 for Q4_K."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    src = tmp_path / "qwen2-256"
+    torch.manual_seed(7)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, src / name)
+    f32 = tmp_path / "f32.gguf"
+    _convert(src, f32, "f32")
+    # Rewrite it with the gguf package: same metadata, linear weights quantized.
+    reader = gguf.GGUFReader(str(f32))
+    arch = reader.get_field("general.architecture").contents()
+    out = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    types = {
+        "attn_q": "Q4_K",
+        "attn_k": "Q4_K",
+        "attn_v": "Q8_0",
+        "attn_output": "Q4_0",
+        "ffn_gate": "Q4_K",
+        "ffn_up": "Q4_0",
+        "ffn_down": "Q4_K",
+    }
+    decoded = {}
+    for t in reader.tensors:
+        array = np.array(t.data).reshape([int(x) for x in reversed(t.shape)])
+        kind = (
+            types.get(t.name.split(".")[2])
+            if t.name.startswith("blk.") and t.name.endswith(".weight")
+            else None
+        )
+        if kind is None:
+            writer.add_tensor(t.name, array)
+        elif kind == "Q4_K":
+            blocks, decoded[t.name] = _q4_k_blocks(torch.from_numpy(array))
+            writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(t.name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    cfg = ModelConfig.from_dir(src)
+    weights = dict(iter_gguf_weights(out, cfg.architecture, cfg.num_heads, cfg.num_kv_heads))
+    written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert {"Q4_K", "Q8_0", "Q4_0"} <= set(written.values())
+    by_gguf_name = {hf_to_gguf_name(name): name for name in weights}
+    for gguf_name, expected in decoded.items():  # Q4_K decodes to what our packing means
+        torch.testing.assert_close(weights[by_gguf_name[gguf_name]], expected, rtol=0, atol=1e-6)
+    folder = tmp_path / "decoded"
+    folder.mkdir()
+    floats = {k: (v.dequantize() if isinstance(v, Int4Codes) else v).contiguous() for k, v in weights.items()}
+    save_file(floats, folder / "model.safetensors")
+    for name in ("config.json", *TOKENIZER_FILES):
+        shutil.copy(src / name, folder / name)
+    prompts = random_prompts(lengths=(1, 9, 40, 130), seed=8)
+    assert run_tokens(LLM(model=str(out), dtype="float32"), prompts) == run_tokens(
+        LLM(model=str(folder), dtype="float32"), prompts
+    )
