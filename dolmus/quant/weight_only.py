@@ -134,16 +134,9 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
             layer.method = self._int8  # this layer's compute follows its storage
             self._int8.quantize(layer, w)
             return
-        groups = w.reshape(n, k // g, g)
-        if self.symmetric:
-            scale = (groups.abs().amax(-1) / 7).clamp(min=1e-8)
-            zero = torch.zeros_like(scale)
-            q = torch.round(groups / scale[..., None]).clamp(-8, 7) + 8
-        else:
-            low, high = groups.amin(-1), groups.amax(-1)
-            scale = ((high - low) / 15).clamp(min=1e-8)
-            zero = low + 8 * scale  # the kernels' zero: the value of code 8
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        # 512 rows at a time: the search's temporaries stay in cache (~4x faster than whole layers)
+        parts = [fit_int4_groups(rows.reshape(-1, k // g, g), self.symmetric) for rows in w.split(512)]
+        q, scale, zero = (torch.cat(t) for t in zip(*parts))
         self.store(layer, q.to(torch.int32).reshape(n, k), scale, zero)
 
     def store(self, layer: Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
@@ -272,6 +265,38 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _has_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def fit_int4_groups(groups: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, ...]:
+    """Codes [.., G, g] in 0..15, scale and zero [.., G] for groups of weights [.., G, g].
+
+    Each group's range is its min/max shrunk by the ratio of CLIP_RATIOS that gives the
+    least squared error: clipping a rare outlier buys a finer step for the rest (the idea
+    of llama.cpp's and AWQ's scale searches). Zero is the value of code 8 (the kernels').
+    """
+    best = None
+    for ratio in CLIP_RATIOS:
+        if symmetric:
+            scale = (groups.abs().amax(-1) * ratio / 7).clamp(min=1e-8)
+            zero = torch.zeros_like(scale)
+            q = torch.round(groups / scale[..., None]).clamp(-8, 7) + 8
+        else:
+            low, high = groups.amin(-1) * ratio, groups.amax(-1) * ratio
+            scale = ((high - low) / 15).clamp(min=1e-8)
+            zero = low + 8 * scale
+            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        error = ((q - 8) * scale[..., None] + zero[..., None] - groups).square().sum(-1)
+        if best is None:
+            best = [q, scale, zero, error]
+            continue
+        better = error < best[3]
+        best[0] = torch.where(better[..., None], q, best[0])
+        for i, t in enumerate((scale, zero, error), start=1):
+            best[i] = torch.where(better, t, best[i])
+    return best[0], best[1], best[2]
 
 
 def adopt_checkpoint_codes(layer: Linear) -> bool:
