@@ -135,7 +135,7 @@ def test_prequantized_layers_run_as_stored_on_the_int4_kernel(
         if act_order:
             assert layer.checkpoint_layout == "dequantized"
             continue
-        assert layer.checkpoint_layout == "int4 kernel" and layer.native_layout
+        assert layer.checkpoint_layout == "int4 kernel" and layer.layout == "native"
         assert isinstance(layer.method, Int4WeightOnlyMethod) and layer.method.group_size == GROUP
         assert layer.weight.numel() == 0  # no float copy kept
         # The intended weights, up to bf16 rounding of each group's scale and zero point.

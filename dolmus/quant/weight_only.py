@@ -12,11 +12,13 @@ in `process_weights_after_loading`:
 bf16 layers multiply with our AVX-512 kernels (native.py, cpu_kernels.c), which stream the
 weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512 BF16, no C
 compiler, `native_kernels=False`) with PyTorch's `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. A layer whose
-input size is not a multiple of the group size (or, on PyTorch's int4 kernel, whose output
-size is not a multiple of 16) is int8 instead, logged. Under int4 the LM head is int8 by
-default (`quant_lm_head`): a 151,936-wide head is a quarter of a 0.5B model, and at 8 bits
-it keeps quality, as llama.cpp keeps its output layer at higher precision.
+`_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. On a CUDA
+GPU both run on our Triton kernel (triton_kernels.py), which dequantizes tiles in registers
+for the tensor cores. A layer whose input size is not a multiple of the group size (or, on
+PyTorch's int4 kernel, whose output size is not a multiple of 16) is int8 instead, logged.
+Under int4 the LM head is int8 by default (`quant_lm_head`): a 151,936-wide head is a
+quarter of a 0.5B model, and at 8 bits it keeps quality, as llama.cpp keeps its output
+layer at higher precision.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dolmus.quant import native
+from dolmus.quant import native, triton_kernels
 from dolmus.runtime.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -43,12 +45,17 @@ class _QuantizeOnLoad(LinearMethod):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         UnquantizedLinearMethod(prepack=False).create_weights(layer, dtype)
 
+    devices = ("cpu", "cuda")
+
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if layer.weight.device.type != "cpu":
-            raise ValueError("int8/int4 weight-only quantization runs on CPU only for now")
+        device = layer.weight.device
+        if device.type not in self.devices:
+            raise ValueError(f"{type(self).__name__} runs on {' or '.join(self.devices)}, not {device.type}")
+        if device.type == "cuda" and not triton_kernels.available():
+            raise ValueError("int8/int4 weights on a GPU need Triton (pip install triton)")
         self.quantize(layer, layer.weight.detach().float())
         if not layer.weight_shared:  # a tied head's float weight is the embedding's
-            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=device)
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
         raise NotImplementedError
@@ -76,8 +83,12 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
         q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
         scale = scale.to(layer.weight.dtype)
         layer.int8_shape = tuple(w.shape)
-        layer.native_layout = _use_native(self.native, layer)
-        if layer.native_layout:
+        layer.layout = _layout(self.native, layer)
+        if layer.layout == "triton":
+            _set_buffer(layer, "qweight", q.contiguous())
+            _set_buffer(layer, "scales", scale.float())
+            return
+        if layer.layout == "native":
             packed, scale = native.pack_int8(q, scale)
             _set_buffer(layer, "qweight", packed)
             _set_buffer(layer, "scales", scale)
@@ -88,8 +99,12 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         flat = self._flat(x)
-        if layer.native_layout:
-            y = native.int8_matmul(flat, layer.qweight, layer.scales, layer.int8_shape[0])
+        n = layer.int8_shape[0]
+        if layer.layout == "triton":
+            y = triton_kernels.weight_only_matmul(flat, layer.qweight, layer.scales, None, n, 8)
+            return self._finish(layer, y, x.shape)
+        if layer.layout == "native":
+            y = native.int8_matmul(flat, layer.qweight, layer.scales, n)
             return self._finish(layer, y, x.shape)
         if layer.int8_pad:
             flat = F.pad(flat, (0, layer.int8_pad))
@@ -99,7 +114,9 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
     @staticmethod
     def dequantize(layer: Linear) -> torch.Tensor:
         n, k = layer.int8_shape
-        if layer.native_layout:
+        if layer.layout == "triton":
+            return layer.qweight.float() * layer.scales[:, None]
+        if layer.layout == "native":
             codes = layer.qweight.transpose(1, 2).reshape(-1, k)[:n]
             return codes.float() * layer.scales[:n, None]
         return layer.qweight[:, :k].float() * layer.scales.float()[:, None]
@@ -128,8 +145,8 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
         n, k = w.shape
         g = self.group_size
-        layer.native_layout = _use_native(self.native, layer)
-        if k % g or (n % 16 and not layer.native_layout):  # PyTorch's kernel layout needs both
+        layer.layout = _layout(self.native, layer)
+        if k % g or (n % 16 and layer.layout == "torch"):  # PyTorch's kernel layout needs both
             logger.info("int4: a %dx%d layer does not fit groups of %d (or 16 outputs); it is int8", n, k, g)
             layer.method = self._int8  # this layer's compute follows its storage
             self._int8.quantize(layer, w)
@@ -143,7 +160,12 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
         """Codes [N, K] in 0..15 with scale and zero [N, K/group] into the kernel's layout."""
         n, k = codes.shape
         layer.int4_codes_shape = (n, k)
-        if layer.native_layout:
+        if layer.layout == "triton":
+            _set_buffer(layer, "qweight", triton_kernels.pack_int4(codes))
+            _set_buffer(layer, "scales", scale.float().contiguous())
+            _set_buffer(layer, "zeros", zero.float().contiguous())
+            return
+        if layer.layout == "native":
             packed, scales, zeros = native.pack_int4(codes, scale, zero)
             _set_buffer(layer, "qweight", packed)
             _set_buffer(layer, "scales", scales)
@@ -154,7 +176,13 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
         _set_buffer(layer, "scales_zeros", scales_zeros.to(layer.weight.dtype))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.native_layout:
+        if layer.layout == "triton":
+            n, g = layer.int4_codes_shape[0], self.group_size
+            y = triton_kernels.weight_only_matmul(
+                self._flat(x), layer.qweight, layer.scales, layer.zeros, n, 4, g
+            )
+            return self._finish(layer, y, x.shape)
+        if layer.layout == "native":
             n = layer.int4_codes_shape[0]
             y = native.int4_matmul(
                 self._flat(x), layer.qweight, layer.scales, layer.zeros, n, self.group_size
@@ -168,7 +196,11 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The float weight the kernel computes with."""
         n, k = layer.int4_codes_shape
-        if layer.native_layout:
+        if layer.layout == "triton":
+            codes = triton_kernels.unpack_int4(layer.qweight).float()
+            g = self.group_size
+            return (codes - 8) * layer.scales.repeat_interleave(g, 1) + layer.zeros.repeat_interleave(g, 1)
+        if layer.layout == "native":
             codes = native.unpack_int4(layer.qweight, n, k).float()
             scale = layer.scales[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
             zero = layer.zeros[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
@@ -192,6 +224,8 @@ class W8A8DynamicMethod(_QuantizeOnLoad):
     kernel: ~2.3x) and still ~1.6x at batch 32, where weight-only int8 is slower than bf16;
     the price is a little more error (activations at 8 bits).
     """
+
+    devices = ("cpu",)  # fbgemm
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
@@ -305,12 +339,13 @@ def adopt_checkpoint_codes(layer: Linear) -> bool:
     parts, layer.checkpoint_codes = layer.checkpoint_codes, {}
     groups = {p.group for p in parts.values()}
     group = groups.pop() if len(groups) == 1 else 0
+    layout = _layout(getattr(layer.method, "native", True), layer)
     fits = (
         parts.keys() == layer.shard_offsets.keys()
         and all(p.g_idx is None for p in parts.values())  # act order scatters the groups
         and group % 2 == 0
         and layer.in_features % group == 0
-        and _use_native(getattr(layer.method, "native", True), layer)
+        and (layout == "native" or (layout == "triton" and triton_kernels.available()))
     )
     if not fits:
         for shard, p in parts.items():
@@ -322,18 +357,33 @@ def adopt_checkpoint_codes(layer: Linear) -> bool:
     scale = torch.cat([p.scale for p in ordered])
     zeros = torch.cat([p.zeros for p in ordered])
     layer.method = Int4WeightOnlyMethod(group, native=True)
-    layer.native_layout = True
-    # (q - z) * s == (q - 8) * s + (8 - z) * s: our kernel's zero is the value of code 8
-    layer.method.store(layer, torch.cat([p.codes for p in ordered]), scale, (8 - zeros) * scale)
+    layer.layout = layout
+    # (q - z) * s == (q - 8) * s + (8 - z) * s: our kernels' zero is the value of code 8
+    device = layer.weight.device
+    codes = torch.cat([p.codes for p in ordered]).to(device)
+    layer.method.store(layer, codes, scale.to(device), ((8 - zeros) * scale).to(device))
     if not layer.weight_shared:
-        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=device)
     layer.checkpoint_layout = "int4 kernel"
     return True
 
 
 def _use_native(wanted: bool, layer: Linear) -> bool:
     """Our kernels take bf16 activations: bf16 CPU layers use them where they build."""
-    return wanted and layer.weight.dtype == torch.bfloat16 and native.library() is not None
+    return (
+        wanted
+        and layer.weight.device.type == "cpu"
+        and layer.weight.dtype == torch.bfloat16
+        and native.library() is not None
+    )
+
+
+def _layout(native_wanted: bool, layer: Linear) -> str:
+    """Which kernel (and so which storage layout) a layer gets: triton on a GPU, else ours
+    (native) or PyTorch's on the CPU."""
+    if layer.weight.device.type == "cuda":
+        return "triton"
+    return "native" if _use_native(native_wanted, layer) else "torch"
 
 
 def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:

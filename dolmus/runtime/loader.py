@@ -69,7 +69,8 @@ def _log_checkpoint_layers(method: str, model: nn.Module) -> None:
         method.upper(),
         counts.get("int4 kernel", 0),
         counts.get("dequantized", 0),
-        " (no int4 kernel for them here: it needs bf16 on an AVX-512 BF16 CPU and contiguous groups)"
+        " (no int4 kernel for them here: it needs contiguous groups, and bf16 on an AVX-512 BF16 CPU"
+        " or a GPU with Triton)"
         if counts.get("dequantized")
         else "",
     )

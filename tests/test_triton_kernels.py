@@ -1,0 +1,62 @@
+"""The GPU int8/int4 Triton kernel, run on the CPU by Triton's interpreter (in float32)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dolmus.quant import triton_kernels as tk
+    from dolmus.quant.weight_only import Int4WeightOnlyMethod, fit_int4_groups
+    from dolmus.runtime.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = (16, 32, 32)  # small tiles keep the interpreter quick; shapes leave partial tiles
+    for n, k, m in ((100, 96, 1), (48, 160, 5), (70, 64, 17)):
+        x = torch.randn(m, k, generator=gen)
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 50
+        y = tk.weight_only_matmul(x, q, scale, None, n, 8, blocks=blocks)
+        torch.testing.assert_close(y, x @ (q.float() * scale[:, None]).T, rtol=1e-5, atol=1e-4)
+        for group in (32, k):
+            codes = torch.randint(0, 16, (n, k), generator=gen)
+            s = torch.rand(n, k // group, generator=gen) / 10
+            z = torch.randn(n, k // group, generator=gen) / 10
+            packed = tk.pack_int4(codes)
+            assert packed.shape == (n, k // 2) and torch.equal(tk.unpack_int4(packed), codes.to(torch.uint8))
+            w = (codes.float() - 8) * s.repeat_interleave(group, 1) + z.repeat_interleave(group, 1)
+            y = tk.weight_only_matmul(x, packed, s, z, n, 4, group, blocks=blocks)
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
+
+    # The int4 method's GPU storage: store, apply (through the kernel), dequantize agree.
+    method = Int4WeightOnlyMethod(group_size=32, native=False)
+    layer = Linear(64, 48, True, torch.float32, method)
+    layer.bias.data.normal_()
+    w = torch.randn(48, 64, generator=gen)
+    codes, s, z = fit_int4_groups(w.reshape(48, 2, 32), symmetric=False)
+    layer.layout = "triton"
+    method.store(layer, codes.reshape(48, 64).to(torch.int32), s, z)
+    deq = method.dequantize(layer)
+    assert (deq - w).abs().max() <= s.max()  # within a step of the original
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ deq.T + layer.bias, rtol=1e-5, atol=1e-4)
+    print("ok")
+    """
+)
+
+
+def test_triton_weight_only_kernel_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
