@@ -42,10 +42,10 @@ LM_HEAD_FORMATS = ("w8a8", "int8", "int4")  # the LM head's format under int4
 class _QuantizeOnLoad(LinearMethod):
     """Loads a float weight like an unquantized layer, then swaps it for quantized buffers."""
 
+    devices = ("cpu", "cuda")  # where the method has kernels (cuda: triton_kernels.py)
+
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         UnquantizedLinearMethod(prepack=False).create_weights(layer, dtype)
-
-    devices = ("cpu", "cuda")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         device = layer.weight.device
