@@ -22,9 +22,11 @@ from dolmus.config import (
 from dolmus.engine.request import SampledToken
 from dolmus.engine.scheduler import ScheduledRequest, SchedulerOutput
 from dolmus.quant.weight_only import module_bytes
+from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionMetadata, DecodeGroup, PrefillSeq, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.layers.linear import make_linear_method
+from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
 
@@ -63,6 +65,13 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        # Our C kernels for norms and decode attention: bf16 on an AVX-512 BF16 CPU.
+        self.native_kernels = (
+            config.native_kernels
+            and device.type == "cpu"
+            and dtype == torch.bfloat16
+            and native.library() is not None
+        )
         self.model = load_model(
             model_path,
             model_config,
@@ -76,10 +85,13 @@ class ModelRunner:
                 config.quant_lm_head,
                 config.native_kernels,
             ),
-            get_backend("torch"),
+            get_backend("torch", native=self.native_kernels),
             max_model_len,
             progress=progress,
         )
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.native = self.native_kernels
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
@@ -235,6 +247,7 @@ class ModelRunner:
             num_blocks=num_blocks,
             block_ids=ids.view(-1).to(self.device),
             mask=mask.view(len(items), 1, 1, -1).to(self.device),
+            lengths=lengths.view(-1).to(self.device),
         )
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:

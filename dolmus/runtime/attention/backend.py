@@ -40,6 +40,7 @@ class DecodeGroup:
     num_blocks: int  # blocks per sequence after padding
     block_ids: torch.Tensor  # [count * num_blocks], row-major
     mask: torch.Tensor  # [count, 1, 1, num_blocks * block_size], 0 or -inf (model dtype)
+    lengths: torch.Tensor  # [count] int64: cached positions each sequence attends to
 
 
 @dataclass
@@ -83,10 +84,10 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
+def get_backend(name: str = "torch", **options: bool) -> AttentionBackend:
     # Imported here so the registry fills without the backends importing each other.
     from dolmus.runtime.attention import torch_sdpa  # noqa: F401
 
     if name not in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; known: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    return _BACKENDS[name](**options)

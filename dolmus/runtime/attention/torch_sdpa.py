@@ -4,6 +4,10 @@ Each decode group runs as one padded batch (one gather, one SDPA call per layer)
 prefill chunk runs on its own, attending to its fresh k/v directly when it has no cached
 context. Gathers are `index_select` over whole blocks, several times faster on CPU than
 advanced indexing by slot.
+
+With `native=True` (bf16 on an AVX-512 BF16 CPU) decodes of a plain bf16 cache instead run
+our C kernel (runtime/native/layer_kernels.c), which reads each sequence's blocks in place:
+no gathers, no padding, one call per group (~3x faster at batch 1, ~5x at 32 sequences).
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import torch.nn.functional as F
 
 from dolmus.runtime.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 from dolmus.runtime.attention.kv_store import PagedKV
+from dolmus.runtime.native import ops as native_ops
 
 
 @register_backend
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
 
     def forward(
         self,
@@ -35,8 +43,28 @@ class TorchSDPABackend(AttentionBackend):
 
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         group_size = num_heads // num_kv_heads
+        native = (
+            self.native
+            and type(kv_cache) is PagedKV  # not a quantized cache
+            and q.dtype == kv_cache.data.dtype == torch.bfloat16
+            and head_dim % 16 == 0
+            and q.stride(2) == 1
+            and q.stride(1) == head_dim
+        )
         for g in meta.decode_groups:
             n, length = g.count, g.num_blocks * bs
+            if native:
+                native_ops.decode_attention(
+                    q[g.start : g.start + n],
+                    kv_cache.data[0],
+                    kv_cache.data[1],
+                    g.block_ids.view(n, g.num_blocks),
+                    g.lengths,
+                    out[g.start : g.start + n],
+                    bs,
+                    scale,
+                )
+                continue
             keys = kv_cache.blocks(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
             values = kv_cache.blocks(1, g.block_ids).view(n, length, num_kv_heads, head_dim)
             # Grouped-query decode: the query heads sharing a KV head become query rows of

@@ -19,9 +19,8 @@
  * so one AVX-512 BF16 dot product handles two inputs, and per group
  *   sum x (q - 8) = sum x (128 + q) - 136 sum x.
  *
- * Blocks past N are zero padded; outputs past N are not written. Threads: OpenMP, which
- * resolves to the libgomp PyTorch has already loaded (same soname), so these kernels share
- * PyTorch's thread pool and follow torch.set_num_threads.
+ * Blocks past N are zero padded; outputs past N are not written. Threads: OpenMP (see
+ * runtime/native/__init__.py).
  */
 #include <stdint.h>
 #include <stdlib.h>
