@@ -9,8 +9,8 @@ in `process_weights_after_loading`:
   an int4 weight is (q - 8) * scale + zero per group (zero = 0 when symmetric), PyTorch's
   convention.
 
-bf16 layers multiply with our AVX-512 kernels (quant/native.py, runtime/native/quant_kernels.c), which stream the
-weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512 BF16, no C
+bf16 layers multiply with our AVX-512 kernels (quant/native.py wrapping
+runtime/native/quant_kernels.c), which stream the weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512 BF16, no C
 compiler, `native_kernels=False`) with PyTorch's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. On a CUDA
 GPU both run on our Triton kernel (triton_kernels.py), which dequantizes tiles in registers
