@@ -10,15 +10,15 @@ in `process_weights_after_loading`:
   convention.
 
 bf16 layers multiply with our AVX-512 kernels (quant/native.py wrapping
-runtime/native/quant_kernels.c), which stream the weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512 BF16, no C
-compiler, `native_kernels=False`) with PyTorch's `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. On a CUDA
-GPU both run on our Triton kernel (triton_kernels.py), which dequantizes tiles in registers
-for the tensor cores. A layer whose input size is not a multiple of the group size (or, on
-PyTorch's int4 kernel, whose output size is not a multiple of 16) is int8 instead, logged.
-Under int4 the LM head is int8 by default (`quant_lm_head`): a 151,936-wide head is a
-quarter of a 0.5B model, and at 8 bits it keeps quality, as llama.cpp keeps its output
-layer at higher precision.
+runtime/native/quant_kernels.c), which stream the weights at memory bandwidth; elsewhere
+(fp32 runs, CPUs without AVX-512 BF16, no C compiler, `native_kernels=False`) with PyTorch's
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which are compute-bound here at
+about half that. On a CUDA GPU both run on our Triton kernel (triton_kernels.py), which
+dequantizes tiles in registers for the tensor cores. A layer whose input size is not a
+multiple of the group size (or, on PyTorch's int4 kernel, whose output size is not a
+multiple of 16) is int8 instead, logged. Under int4 the LM head is int8 by default
+(`quant_lm_head`): a 151,936-wide head is a quarter of a 0.5B model, and at 8 bits it keeps
+quality, as llama.cpp keeps its output layer at higher precision.
 """
 
 from __future__ import annotations
