@@ -74,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,
-        help="our AVX-512 int8/int4 kernels for bf16 on CPU (else PyTorch's)",
+        help="our AVX-512 C kernels for bf16 on CPU: int8/int4, RMSNorm, decode attention (else PyTorch's)",
     )
 
 

@@ -70,7 +70,7 @@ class EngineConfig:
     quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = "int8"  # int4: the LM head's format (int8, w8a8 or int4)
-    native_kernels: bool = True  # our AVX-512 int8/int4 kernels for bf16 on CPU (built on first use)
+    native_kernels: bool = True  # our AVX-512 C kernels (int8/int4, norm, decode attention) for bf16 CPU runs
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: scale per token and head
 
     def __post_init__(self) -> None:
