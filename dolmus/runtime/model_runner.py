@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from dolmus.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -26,7 +27,6 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionMetadata, DecodeGroup, PrefillSeq, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.layers.linear import make_linear_method
-from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
 
@@ -89,8 +89,8 @@ class ModelRunner:
             max_model_len,
             progress=progress,
         )
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
+        for module in self.model.modules():  # norms, attention and MLP layers carry the switch
+            if isinstance(module, nn.Module) and isinstance(getattr(module, "native", None), bool):
                 module.native = self.native_kernels
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config

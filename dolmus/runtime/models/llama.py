@@ -19,6 +19,7 @@ from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
+from dolmus.runtime.native import ops as native_ops
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        self.native = False  # set by the model runner where our C kernels run (bf16, AVX-512 BF16)
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
@@ -63,8 +65,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k rotate together: one set of elementwise ops instead of two.
-        q, k = RotaryEmbedding.apply(qk, cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two (or one C call).
+        if self.native and qk.dtype == torch.bfloat16 and self.head_dim % 32 == 0 and qk.stride(2) == 1:
+            cos, sin = cos_sin
+            qk = native_ops.rotary_(qk, cos.view(num_tokens, -1), sin.view(num_tokens, -1))
+        else:
+            qk = RotaryEmbedding.apply(qk, cos_sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
 
@@ -76,9 +83,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method)
         self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method)
         self.size = size
+        self.native = False  # set by the model runner where our C kernels run (bf16, AVX-512 BF16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native and gate_up.dtype == torch.bfloat16 and self.size % 16 == 0 and gate_up.dim() == 2:
+            return self.down_proj(native_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.size, dim=-1)
         # SiLU on a contiguous copy: on CPU it is ~4x slower on the strided half-view.
         return self.down_proj(F.silu(gate.contiguous()) * up)
 

@@ -1,8 +1,8 @@
 """Our C kernels for x86 CPUs with AVX-512 (BF16): built on first use, called through ctypes.
 
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
-- layer_kernels.c: RMSNorm and decode attention over the paged KV cache (layers/norm.py,
-  attention/torch_sdpa.py).
+- layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
+  the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py).
 
 At batch 1 a decode step is a few hundred small PyTorch ops besides the weight reads, each
 costing microseconds of dispatch and a wake-up of the thread pool; one call here replaces
@@ -45,22 +45,10 @@ _SIGNATURES = {
     "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
     "dolmus_int4_dequant": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
-    "dolmus_decode_attention": [
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _f32,
-    ],
+    # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
+    "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
+    "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],
+    "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
 }
 
 

@@ -100,3 +100,45 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         free(qf);
     }
 }
+
+/* out = bf16(silu(gate)) * up, rounded to bf16: PyTorch's bf16 order. x: [rows][2 * cols]
+ * (gate, then up, as the fused gate/up projection emits them); out: [rows][cols].
+ * cols % 16 == 0. */
+void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * cols, *up = gate + cols;
+        float g[16];
+        for (int64_t c = 0; c < cols; c += 16) {
+            _mm512_storeu_ps(g, load_bf16x16(gate + c));
+            for (int i = 0; i < 16; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
+            __m512 s = round_to_bf16(_mm512_loadu_ps(g));
+            store_bf16x16(out + r * cols + c, _mm512_mul_ps(s, load_bf16x16(up + c)));
+        }
+    }
+}
+
+/* In place: x = x * cos + rotate_half(x) * sin with each product and the sum rounded to bf16
+ * (PyTorch's bf16 order); rotate_half(x) = (-x[d/2:], x[:d/2]). x: [tokens][heads][d] at
+ * token stride x_stride; cos, sin: [tokens][d]. d % 32 == 0. */
+void dolmus_rotary(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                   int64_t tokens, int64_t heads, int64_t d) {
+    int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *ct = cos + t * d, *st = sin + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *row = x + t * x_stride + h * d;
+            for (int64_t i = 0; i < half; i += 16) {
+                __m512 a = load_bf16x16(row + i), b = load_bf16x16(row + half + i);
+                __m512 lo = _mm512_add_ps(round_to_bf16(_mm512_mul_ps(a, load_bf16x16(ct + i))),
+                                          round_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b),
+                                                                      load_bf16x16(st + i))));
+                __m512 hi = _mm512_add_ps(round_to_bf16(_mm512_mul_ps(b, load_bf16x16(ct + half + i))),
+                                          round_to_bf16(_mm512_mul_ps(a, load_bf16x16(st + half + i))));
+                store_bf16x16(row + i, lo);
+                store_bf16x16(row + half + i, hi);
+            }
+        }
+    }
+}

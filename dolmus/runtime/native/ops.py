@@ -47,3 +47,19 @@ def decode_attention(
         block_size,
         scale,
     )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * F] contiguous bf16 (gate, then up) -> silu(gate) * up [T, F]; F % 16 == 0."""
+    rows, cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=x.dtype)
+    library().dolmus_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, cols)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous) by cos and
+    sin [T, D] contiguous bf16; D % 32 == 0."""
+    tokens, heads, d = x.shape
+    library().dolmus_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d)
+    return x
