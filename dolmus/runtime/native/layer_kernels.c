@@ -1,8 +1,10 @@
-/* RMSNorm and decode attention for bf16 models on x86 CPUs with AVX-512 (BF16).
+/* RMSNorm, SiLU-and-multiply, rotary embedding and decode attention for bf16 models on x86
+ * CPUs with AVX-512 (BF16).
  *
- * Each replaces several small PyTorch ops per layer and token (see __init__.py). Both
- * compute in float32 and round to bf16 where PyTorch's bf16 code rounds, so RMSNorm gives
- * the same bits (up to the order of one float sum) and attention agrees to bf16 rounding.
+ * Each replaces several small PyTorch ops per layer and token (see __init__.py). They
+ * compute in float32 and round to bf16 where PyTorch's bf16 code rounds, so the elementwise
+ * kernels give PyTorch's bits (up to the order of one float sum in RMSNorm, and expf against
+ * PyTorch's own exp in SiLU) and attention agrees to bf16 rounding.
  */
 #include <math.h>
 #include <stdint.h>
