@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from dolmus.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -65,7 +64,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        # Our C kernels for norms and decode attention: bf16 on an AVX-512 BF16 CPU.
+        # Our C kernels for norms, rotary, SiLU and decode attention: bf16 on an AVX-512 BF16 CPU.
         self.native_kernels = (
             config.native_kernels
             and device.type == "cpu"
@@ -90,7 +89,7 @@ class ModelRunner:
             progress=progress,
         )
         for module in self.model.modules():  # norms, attention and MLP layers carry the switch
-            if isinstance(module, nn.Module) and isinstance(getattr(module, "native", None), bool):
+            if isinstance(getattr(module, "native", None), bool):
                 module.native = self.native_kernels
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
