@@ -62,15 +62,17 @@ def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
     _close(native.int8_matmul(x, packed, scale32, n), expected)
 
 
+@pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("group", (32, 64, 128))
 @pytest.mark.parametrize("n,k", SHAPES[1:])
 @pytest.mark.parametrize("m", ROWS)
-def test_int4_matmul_equals_float_arithmetic(n: int, k: int, m: int, group: int) -> None:
+def test_int4_matmul_equals_float_arithmetic(n: int, k: int, m: int, group: int, symmetric: bool) -> None:
     gen = torch.Generator().manual_seed(n * k + m + group)
     codes = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.rand(n, k // group, generator=gen) / 100
-    zero = torch.randn(n, k // group, generator=gen) / 100
+    zero = torch.randn(n, k // group, generator=gen) / 100 * (not symmetric)
     packed, scales, zeros = native.pack_int4(codes, scale, zero)
+    assert (zeros is None) == symmetric  # no zero-point bytes to stream when all are zero
     assert torch.equal(native.unpack_int4(packed, n, k), codes.to(torch.uint8))
     w = (codes.float() - 8) * scale.bfloat16().float().repeat_interleave(group, 1)
     w += zero.bfloat16().float().repeat_interleave(group, 1)

@@ -57,9 +57,10 @@ def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: i
 
 def pack_int4(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """[N, K] codes, [N, K/g] scales and zeros -> blocks [Npad/64, K/2, 64] uint8 and bf16
-    [K/g, Npad] scales and zeros (the byte order is quant_kernels.c's)."""
+    [K/g, Npad] scales and zeros (the byte order is quant_kernels.c's). Zeros that are all
+    zero (symmetric weights, Q4_0) come back as None: the kernel then skips their bytes."""
     n, k = codes.shape
     pad = _padded_rows(n) - n
     c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
@@ -70,7 +71,8 @@ def pack_int4(
     def by_group(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t.to(torch.bfloat16).T, (0, pad)).contiguous()
 
-    return packed, by_group(scale), by_group(zero)
+    zeros = by_group(zero)
+    return packed, by_group(scale), None if not zeros.any() else zeros
 
 
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -81,10 +83,16 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, group: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    n: int,
+    group: int,
 ) -> torch.Tensor:
     """x [M, K] bf16 times the packed int4 weight -> [M, N] bf16."""
     lib = library()
+    zero_ptr = _ptr(zero) if zero is not None else None  # NULL: no zero points
     x = x.contiguous()
     m, k = x.shape
     if m > MAX_KERNEL_ROWS:
@@ -92,11 +100,11 @@ def int4_matmul(
             x,
             n,
             lambda out, n0, n1: lib.dolmus_int4_dequant(
-                _ptr(packed), _ptr(scale), _ptr(zero), _ptr(out), n0, n1, n, k, group
+                _ptr(packed), _ptr(scale), zero_ptr, _ptr(out), n0, n1, n, k, group
             ),
         )
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.dolmus_int4_gemm(_ptr(x), _ptr(packed), _ptr(scale), _ptr(zero), _ptr(y), m, n, k, group)
+    lib.dolmus_int4_gemm(_ptr(x), _ptr(packed), _ptr(scale), zero_ptr, _ptr(y), m, n, k, group)
     return y
 
 

@@ -203,6 +203,8 @@ class Int4WeightOnlyMethod(_QuantizeOnLoad):
         if layer.layout == "native":
             codes = native.unpack_int4(layer.qweight, n, k).float()
             scale = layer.scales[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
+            if layer.zeros is None:  # symmetric: no zero points stored
+                return (codes - 8) * scale
             zero = layer.zeros[:, :n].float().T.repeat_interleave(self.group_size, dim=1)
             return (codes - 8) * scale + zero
         # PyTorch's layout: an identity matrix through the kernel

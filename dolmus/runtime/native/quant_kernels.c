@@ -97,7 +97,8 @@ void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scal
     }
 }
 
-/* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even. */
+/* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even.
+ * zero may be NULL (all zero: symmetric weights, llama.cpp's Q4_0), saving its bytes. */
 void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
                       const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
                       int64_t group) {
@@ -132,9 +133,10 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
                         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
                     }
                 }
-                const uint16_t *sg = scale + g * npad + b * 64, *zg = zero + g * npad + b * 64;
+                const uint16_t *sg = scale + g * npad + b * 64;
                 for (int j = 0; j < 4; j++) {
-                    __m512 s = bf16x16_to_ps(sg + 16 * j), z = bf16x16_to_ps(zg + 16 * j);
+                    __m512 s = bf16x16_to_ps(sg + 16 * j);
+                    __m512 z = zero ? bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j) : _mm512_setzero_ps();
                     for (int i = 0; i < MR && i < rows; i++) {
                         __m512 xs = _mm512_set1_ps(xsum[(m0 + i) * groups + g]);
                         __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[i][j]);
@@ -180,7 +182,7 @@ void dolmus_int4_dequant(const uint8_t *packed, const uint16_t *scale, const uin
         for (int64_t k = 0; k < K; k++) {
             int64_t g = k / group;
             float s = _mm512_cvtss_f32(bf16_broadcast(scale + g * npad + n));
-            float z = _mm512_cvtss_f32(bf16_broadcast(zero + g * npad + n));
+            float z = zero ? _mm512_cvtss_f32(bf16_broadcast(zero + g * npad + n)) : 0.0f;
             uint8_t byte = pb[(k / 2) * 64 + (k & 1)];
             int q = sh ? byte >> 4 : byte & 0xF;
             float v = (q - 8) * s + z;
