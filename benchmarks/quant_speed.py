@@ -5,7 +5,11 @@ request of 32 prompt tokens and 128 output tokens (greedy, ignore_eos), rounds
 interleaved. Decode tok/s is measured from the request's own timings (after the first
 token), so prefill does not blur it. Also prints each engine's weight bytes.
 
-    python benchmarks/quant_speed.py [--rounds 2]
+With `--batch 32`, 32 requests (32 prompt tokens, 64 outputs each) decode together and
+the figure is the sum of their decode rates (each request's 1 / TPOT): many concurrent
+users, where the weight read is shared by the batch and arithmetic matters more.
+
+    python benchmarks/quant_speed.py [--rounds 2] [--batch 32]
 """
 
 from __future__ import annotations
@@ -37,14 +41,16 @@ CONFIGS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: 128, or 64 with --batch")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = parser.parse_args()
+    max_tokens = args.max_tokens or (128 if args.batch == 1 else 64)
 
     from dolmus import LLM, SamplingParams
     from dolmus.quant.weight_only import module_bytes
 
     model = str(qwen05b_shape_dir())
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     results: dict[str, list[float]] = {name: [] for name in CONFIGS}
     sizes = {}
     for r in range(args.rounds):
@@ -52,12 +58,13 @@ def main() -> None:
             llm = LLM(model=model, dtype="bfloat16", num_threads=THREADS, **kw)
             sizes[name] = module_bytes(llm.engine.runner.model)
             llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up
-            out = llm.generate([[1000 + 7 * r + i for i in range(32)]], params)[0].outputs[0]
-            results[name].append(1.0 / out.metrics.tpot)
+            prompts = [[1000 + 7 * r + 11 * b + i for i in range(32)] for b in range(args.batch)]
+            outs = llm.generate(prompts, params)
+            results[name].append(sum(1.0 / o.outputs[0].metrics.tpot for o in outs))
             del llm
             gc.collect()
             print(f"round {r} {name}: {results[name][-1]:.1f} tok/s", flush=True)
-    print("\n| weights | MB | decode tok/s (per round) | vs bf16 |")
+    print(f"\nbatch {args.batch}\n| weights | MB | decode tok/s (per round) | vs bf16 |")
     print("| --- | --- | --- | --- |")
     base = sum(results["bf16"]) / len(results["bf16"])
     for name, values in results.items():

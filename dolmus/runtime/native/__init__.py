@@ -43,7 +43,6 @@ _SIGNATURES = {
     "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "dolmus_int4_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "dolmus_int4_dequant": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
     # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
     "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],

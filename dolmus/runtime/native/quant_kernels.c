@@ -152,8 +152,8 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
     free(xsum);
 }
 
-/* Rows [n0, n1) of the weight as bf16, row-major [n1 - n0][K]: large batches multiply
- * with PyTorch's bf16 GEMM, which is faster there than unpacking codes per activation row. */
+/* Rows [n0, n1) of an int8 weight as bf16, row-major [n1 - n0][K]: prefill chunks multiply
+ * with PyTorch's bf16 GEMM, faster there than converting codes to float per row pass. */
 void dolmus_int8_dequant(const int8_t *packed, const float *scale, uint16_t *out,
                          int64_t n0, int64_t n1, int64_t K) {
 #pragma omp parallel for schedule(static)
@@ -166,29 +166,6 @@ void dolmus_int8_dequant(const int8_t *packed, const float *scale, uint16_t *out
             uint32_t bits;
             memcpy(&bits, &v, sizeof bits);
             row[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
-        }
-    }
-}
-
-void dolmus_int4_dequant(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
-                         uint16_t *out, int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t group) {
-    int64_t npad = (N + 63) / 64 * 64;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        /* output o = 32s + 16h + 4l + i sits in byte 16l + 8h + 2i + (k & 1), nibble s */
-        int64_t o = n % 64, sh = o / 32, h = (o / 16) % 2, l = (o / 4) % 4, i = o % 4;
-        const uint8_t *pb = packed + (n / 64) * (K / 2) * 64 + 16 * l + 8 * h + 2 * i;
-        uint16_t *row = out + (n - n0) * K;
-        for (int64_t k = 0; k < K; k++) {
-            int64_t g = k / group;
-            float s = _mm512_cvtss_f32(bf16_broadcast(scale + g * npad + n));
-            float z = zero ? _mm512_cvtss_f32(bf16_broadcast(zero + g * npad + n)) : 0.0f;
-            uint8_t byte = pb[(k / 2) * 64 + (k & 1)];
-            int q = sh ? byte >> 4 : byte & 0xF;
-            float v = (q - 8) * s + z;
-            uint32_t bits;
-            memcpy(&bits, &v, sizeof bits);
-            row[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
         }
     }
 }
