@@ -1,10 +1,9 @@
 """Wrappers of our int8/int4 weight-only kernels (runtime/native/quant_kernels.c).
 
-They take bf16 activations (the CPU run dtype) and return bf16. The int4 kernel multiplies
-with AVX-512 BF16 dot products and stays within ~1.25x of PyTorch's bf16 GEMM even at 128
-rows, so every batch uses it. The int8 kernel converts codes to float32 and uses FMAs (half
-the products per instruction): past INT8_MAX_KERNEL_ROWS rows (prefill) the weight is
-dequantized a chunk at a time to bf16 for PyTorch's GEMM instead.
+They take bf16 activations (the CPU run dtype) and return bf16. Both kernels multiply with
+AVX-512 BF16 dot products. int4 stays within ~1.2x of PyTorch's bf16 GEMM even at 128 rows,
+so every batch uses it; int8 (~1.5x there) hands more than INT8_MAX_KERNEL_ROWS rows
+(prefill chunks) to PyTorch's GEMM on weights dequantized a chunk at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ def _padded_rows(n: int) -> int:
 
 def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] int8 codes and [N] scales -> blocks [Npad/64, K, 64] and float32 scales [Npad]."""
+    if codes.shape[1] % 2:
+        raise ValueError("the int8 kernel reads inputs in pairs: K must be even")
     n, k = codes.shape
     pad = _padded_rows(n) - n
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))

@@ -84,6 +84,8 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
         scale = scale.to(layer.weight.dtype)
         layer.int8_shape = tuple(w.shape)
         layer.layout = _layout(self.native, layer)
+        if layer.layout == "native" and w.shape[1] % 2:  # our kernel reads inputs in pairs
+            layer.layout = "torch"
         if layer.layout == "triton":
             _set_buffer(layer, "qweight", q.contiguous())
             _set_buffer(layer, "scales", scale.float())

@@ -15,8 +15,9 @@
  * y[m][n] = sum_k x[m][k] w[n][k], activations and outputs in bf16, sums in float32:
  *   int8: w = q * scale[n]
  *   int4: w = (q - 8) * scale[g][n] + zero[g][n] for k in group g (PyTorch's convention).
- * int4 codes become bf16 pairs without a conversion: 0x4300 | q is the bf16 number 128 + q,
- * so one AVX-512 BF16 dot product handles two inputs, and per group
+ * Both multiply with AVX-512 BF16 dot products, two inputs per lane and instruction. int8
+ * codes are exact in bf16 (a converted float's top half). int4 codes become bf16 pairs
+ * without a conversion: 0x4300 | q is the bf16 number 128 + q, and per group
  *   sum x (q - 8) = sum x (128 + q) - 136 sum x.
  *
  * Blocks past N are zero padded; outputs past N are not written. Threads: OpenMP (see
@@ -63,7 +64,16 @@ static inline void nibbles_to_bf16_pairs(const uint8_t *c, __m512bh w[4]) {
     w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, high_byte);
 }
 
-/* y[M][N] = x[M][K] times int8 weights; scale: [Npad] float. */
+/* Inputs k and k + 1 of 16 outputs (two 16-byte runs of int8 codes) -> 16 lanes of bf16 pairs.
+ * Codes are small integers, exact in bf16: a float's top 16 bits are its bf16 bits. */
+static inline __m512bh int8_pairs_to_bf16(const int8_t *ck, const int8_t *ck1) {
+    __m512i a = _mm512_castps_si512(int8x16_to_ps(ck)), b = _mm512_castps_si512(int8x16_to_ps(ck1));
+    /* imm 0xE4 = (A & C) | (B & ~C): high words from b, low words from a >> 16 */
+    return (__m512bh)_mm512_ternarylogic_epi32(b, _mm512_srli_epi32(a, 16), _mm512_set1_epi32((int)0xFFFF0000), 0xE4);
+}
+
+/* y[M][N] = x[M][K] times int8 weights; scale: [Npad] float; K even. Pairs of inputs go
+ * through AVX-512 BF16 dot products (two products per lane and instruction). */
 void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
                       int64_t M, int64_t N, int64_t K) {
     int64_t blocks = (N + 63) / 64;
@@ -75,16 +85,15 @@ void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scal
             __m512 acc[MR][4];
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k++) {
+            for (int64_t k = 0; k < K; k += 2) {
                 const int8_t *c = pb + k * 64;
-                __m512 w0 = int8x16_to_ps(c), w1 = int8x16_to_ps(c + 16);
-                __m512 w2 = int8x16_to_ps(c + 32), w3 = int8x16_to_ps(c + 48);
+                __m512bh w[4];
+                for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
                 for (int i = 0; i < MR && i < rows; i++) {
-                    __m512 xv = bf16_broadcast(x + (m0 + i) * K + k);
-                    acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-                    acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-                    acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-                    acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
+                    int32_t pair;
+                    memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
                 }
             }
             for (int i = 0; i < rows; i++)
