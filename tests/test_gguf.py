@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from dolmus import LLM, SamplingParams
 from dolmus.cli import main
 from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
-from dolmus.quant import native
 from dolmus.quant.checkpoint import Int4Codes
+from dolmus.runtime import native as native_build
 from dolmus.runtime.gguf_loader import hf_to_gguf_name, iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
@@ -82,7 +82,7 @@ def test_quantized_gguf_equals_its_dequantized_weights(tmp_path, model_root, arc
     assert run_tokens(LLM(model=str(q4), dtype="float32"), prompts) == run_tokens(
         LLM(model=str(folder), dtype="float32"), prompts
     )
-    if native.cpu_supported() and native.find_compiler() is not None:
+    if native_build.cpu_supported() and native_build.find_compiler() is not None:
         # bf16: the codes run as stored on our int4 kernel, agreeing with the decoded weights.
         ours = LLM(model=str(q4), dtype="bfloat16")
         linears = [m for m in ours.engine.runner.model.modules() if isinstance(m, Linear)]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from dolmus import LLM
 from dolmus.quant import native
 from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.runtime import native as native_build
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.norm import RMSNorm
@@ -17,7 +18,7 @@ from dolmus.runtime.native import ops as native_ops
 from helpers import greedy, run_tokens
 
 pytestmark = pytest.mark.skipif(
-    not native.cpu_supported() or native.find_compiler() is None,
+    not native_build.cpu_supported() or native_build.find_compiler() is None,
     reason="the native kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
 
@@ -34,20 +35,18 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def test_kernels_build_here() -> None:
-    assert native.library() is not None
+    assert native_build.library() is not None
 
 
 def test_every_kernel_has_its_ctypes_signature() -> None:
     """A C function called without argtypes gets 32-bit ints: garbage, then a crash."""
     import re
 
-    from dolmus.runtime import native as build
-
     declared = {}
-    for source in build.SOURCES:
+    for source in native_build.SOURCES:
         for name, params in re.findall(r"^void (dolmus_\w+)\(([^)]*)\)", source.read_text(), re.M):
             declared[name] = len(params.split(","))
-    assert declared and declared == {name: len(args) for name, args in build._SIGNATURES.items()}
+    assert declared and declared == {name: len(args) for name, args in native_build._SIGNATURES.items()}
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

@@ -11,9 +11,9 @@ from conftest import TOKENIZER_FILES, build_model_dir
 from safetensors.torch import load_file, save_file
 
 from dolmus import LLM
-from dolmus.quant import native
-from dolmus.quant.checkpoint import AWQ_ORDER, checkpoint_format, dequantize_layer
+from dolmus.quant.checkpoint import AWQ_ORDER, checkpoint_format, unpack_layer
 from dolmus.quant.weight_only import Int4WeightOnlyMethod
+from dolmus.runtime import native as native_build
 from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
 
@@ -97,7 +97,7 @@ def test_prequantized_checkpoint_loads_its_intended_weights(tmp_path, model_root
         for p in ("qweight", "qzeros", "scales", "g_idx")
         if f"{prefix}.{p}" in packed
     }
-    assert torch.equal(dequantize_layer(fmt, parts), floats[f"{prefix}.weight"])
+    assert torch.equal(unpack_layer(fmt, parts).dequantize(), floats[f"{prefix}.weight"])
     prompts = random_prompts(seed=9)
     assert run_tokens(LLM(model=str(quant), dtype="float32"), prompts) == run_tokens(
         LLM(model=str(dense), dtype="float32"), prompts
@@ -116,7 +116,8 @@ def test_unsupported_quantization_is_a_clear_error(tmp_path, model_root) -> None
 
 
 @pytest.mark.skipif(
-    not native.cpu_supported() or native.find_compiler() is None, reason="needs our AVX-512 BF16 kernels"
+    not native_build.cpu_supported() or native_build.find_compiler() is None,
+    reason="needs our AVX-512 BF16 kernels",
 )
 @pytest.mark.parametrize(("method", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
 def test_prequantized_layers_run_as_stored_on_the_int4_kernel(

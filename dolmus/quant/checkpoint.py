@@ -113,13 +113,6 @@ def _group(fmt: dict[str, Any], k: int) -> int:
     return k if fmt["group_size"] <= 0 else fmt["group_size"]  # -1: one group per row
 
 
-def dequantize_layer(fmt: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float weight [N, K] of one quantized linear layer."""
-    codes, zeros, scales, groups = _layer_codes(fmt, parts)
-    weight = (codes.float() - zeros[groups].float()) * scales[groups]
-    return weight.T.contiguous()
-
-
 def unpack_layer(fmt: dict[str, Any], parts: dict[str, torch.Tensor]) -> Int4Codes:
     """The layer's codes, zero points and scales as stored."""
     codes, zeros, scales, groups = _layer_codes(fmt, parts)

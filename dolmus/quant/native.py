@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dolmus.runtime.native import cpu_supported, find_compiler, library
-
-__all__ = ["cpu_supported", "find_compiler", "library"]
+from dolmus.runtime.native import library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
 INT8_MAX_KERNEL_ROWS = 128  # above this many rows, int8 dequantizes to bf16 for PyTorch's GEMM

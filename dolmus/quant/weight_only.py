@@ -372,22 +372,13 @@ def adopt_checkpoint_codes(layer: Linear) -> bool:
     return True
 
 
-def _use_native(wanted: bool, layer: Linear) -> bool:
-    """Our kernels take bf16 activations: bf16 CPU layers use them where they build."""
-    return (
-        wanted
-        and layer.weight.device.type == "cpu"
-        and layer.weight.dtype == torch.bfloat16
-        and native.library() is not None
-    )
-
-
 def _layout(native_wanted: bool, layer: Linear) -> str:
-    """Which kernel (and so which storage layout) a layer gets: triton on a GPU, else ours
-    (native) or PyTorch's on the CPU."""
+    """Which kernel (and so which storage layout) a layer gets: triton on a GPU; on the CPU
+    ours (native: bf16 activations, where the kernels build) or PyTorch's."""
     if layer.weight.device.type == "cuda":
         return "triton"
-    return "native" if _use_native(native_wanted, layer) else "torch"
+    ours = native_wanted and layer.weight.dtype == torch.bfloat16 and native.library() is not None
+    return "native" if ours else "torch"
 
 
 def _set_buffer(layer: Linear, name: str, value: torch.Tensor) -> None:
