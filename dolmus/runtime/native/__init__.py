@@ -61,6 +61,11 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def has_int8_dot_products() -> bool:
+    """VNNI (AVX-512 or AVX): int8 dot products that accumulate in int32 without saturating."""
+    return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
+
+
 def cpu_supported() -> bool:
     """x86-64 Linux with the AVX-512 (BF16) instructions the kernels use."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
