@@ -23,12 +23,18 @@ def _kv_memory(text: str) -> float | int:
     return value if value <= 1 else int(value)
 
 
+def _choices(cls: type, name: str) -> list:
+    """A field's declared choices (config.py), in the CLI's spelling (`None` is left out: no flag)."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+    return [c for c in meta["choices"] if c is not None]
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: built-in stories260k)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--dtype", default=d.dtype, choices=_choices(EngineConfig, "dtype"))
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument(
@@ -53,22 +59,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d.prepack_weights)
     g.add_argument(
         "--quantization",
-        choices=["int8", "int4", "fp8"],
-        default=None,
-        help="weight-only, on load (fp8: CUDA only)",
+        choices=_choices(EngineConfig, "quantization"),
+        default=d.quantization,
+        help="on load: int8/int4 weight-only, w8a8 (int8 activations too), fp8 (CUDA only)",
     )
     g.add_argument(
-        "--quant-group-size", type=int, default=d.quant_group_size, help="int4 group: 32, 64 or 128"
+        "--quant-group-size",
+        type=int,
+        default=d.quant_group_size,
+        choices=_choices(EngineConfig, "quant_group_size"),
+        help="int4: inputs per scale",
     )
     g.add_argument("--quant-symmetric", action="store_true", help="int4 without zero points")
     g.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "int8", "fp8"],
+        choices=_choices(EngineConfig, "kv_cache_dtype"),
         default=d.kv_cache_dtype,
         help="KV cache storage: the model dtype, or int8/fp8 with a scale per token and head",
     )
     g.add_argument(
-        "--quant-lm-head", choices=["int8", "w8a8", "int4"], default=d.quant_lm_head, help="int4: head format"
+        "--quant-lm-head",
+        choices=_choices(EngineConfig, "quant_lm_head"),
+        default=d.quant_lm_head,
+        help="int4: head format",
     )
     g.add_argument(
         "--native-kernels",
@@ -187,7 +200,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dolmus", description="LLM inference engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -225,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune = sub.add_parser("tune", help="search batching settings for the best goodput on a trace")
     add_tune_args(tune)
     tune.set_defaults(func=run_tune)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv  # for reports that quote their command

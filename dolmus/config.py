@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +49,22 @@ _DTYPES = {
 }
 
 
+def choice(default: Any, choices: tuple[Any, ...]) -> Any:
+    """A config field restricted to `choices`: validated here, and the CLI flag offers the same."""
+    return field(default=default, metadata={"choices": choices})
+
+
+QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 @dataclass
 class EngineConfig:
     """Everything a user can set on an engine. `None` means "derive it from the model"."""
 
     model: str | None = None  # Hugging Face folder; None serves the built-in stories260k
     tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = choice("auto", ("auto", *_DTYPES))
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory: float | int | None = None  # bytes (int > 1) or fraction of free memory
@@ -66,12 +75,14 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
-    quantization: str | None = None  # int8 | int4 | w8a8 (CPU) | fp8 (CUDA), on load
-    quant_group_size: int = 32  # int4: inputs per scale (32, 64 or 128)
+    # on load: int8 | int4 | w8a8 (CPU) | fp8 (CUDA)
+    quantization: str | None = choice(None, QUANTIZATIONS)
+    quant_group_size: int = choice(32, (32, 64, 128))  # int4: inputs per scale
     quant_symmetric: bool = False  # int4: no zero points
-    quant_lm_head: str = "int8"  # int4: the LM head's format (int8, w8a8 or int4)
+    quant_lm_head: str = choice("int8", ("int8", "w8a8", "int4"))  # int4: the LM head's format
     native_kernels: bool = True  # our AVX-512 C kernels (int8/int4, norm, decode attention) for bf16 CPU runs
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: scale per token and head
+    # auto (the model dtype) | int8 | fp8: a scale per token and head
+    kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,16 +95,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.quantization not in (None, "int8", "int4", "fp8", "w8a8"):
-            raise ValueError(f"quantization must be int8, int4, fp8 or w8a8, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
-        if self.quant_lm_head not in ("w8a8", "int8", "int4"):
-            raise ValueError(f"quant_lm_head must be w8a8, int8 or int4, got {self.quant_lm_head!r}")
-        if self.quant_group_size not in (32, 64, 128):
-            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_choices(self)
 
     @property
     def model_path(self) -> Path:
@@ -130,6 +132,16 @@ class EngineConfig:
         if model_dtype == torch.float32:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return model_dtype
+
+
+def check_choices(config: Any) -> None:
+    """Raise ValueError naming the field whose value is not among its declared choices."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices is not None and value not in choices:
+            shown = ", ".join("none" if c is None else str(c) for c in choices)
+            raise ValueError(f"{f.name} must be one of {shown}; got {value!r}")
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # fp8 codes live in uint8 storage: CPU index_copy_ has no float8 kernel.
 _STORAGE = {"int8": torch.int8, "fp8": torch.uint8}
