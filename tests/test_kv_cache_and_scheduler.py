@@ -46,6 +46,7 @@ def test_lru_eviction_takes_tail_of_oldest_first():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     a = make_request("a", 12)
     kv.allocate(a, 12)
+    kv.commit_step()  # its KV is written
     kv.free(a)
     assert kv.num_free_blocks == 6
     # A new request needing 4 fresh blocks takes the 3 never-used ones, then a's tail.
@@ -121,3 +122,48 @@ def test_finish_frees_everything():
     for i in range(3):
         sched.finish(str(i), RequestStatus.FINISHED_ABORTED)
     assert kv.num_used_blocks == 0 and not sched.has_work
+
+
+def test_preempted_in_its_own_step_leaves_no_unwritten_block_in_the_cache():
+    """Blocks are published only once their KV is written.
+
+    Step 2 allocates the batch request's last 8 tokens, then an urgent arrival takes its
+    only seat: those tokens are never computed, so a later request (or the victim itself,
+    re-admitted) must not find them in the prefix cache.
+    """
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=200)
+    batch = make_request("batch", 24, priority=1, arrival=1.0)
+    sched.add(batch)
+    run_step(sched)  # 16 of its 24 prompt tokens computed
+    assert batch.num_computed_tokens == 16
+    sched.add(make_request("urgent", 4, priority=0, arrival=2.0, start=300))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+    assert batch.status == RequestStatus.WAITING
+    twin = make_request("twin", 24, arrival=3.0)  # the same tokens as the batch request
+    assert len(kv.find_cached_prefix(twin)) * kv.block_size <= 16
+    sched.finish("urgent", RequestStatus.FINISHED_ABORTED)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["batch"]
+    assert out.scheduled[0].num_new_tokens == 8 and batch.num_computed_tokens == 24
+
+
+def test_request_sharing_a_victims_fresh_blocks_is_preempted_with_it():
+    """A same-step hit on blocks that will now never be written must not survive the victim."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=200)
+    victim = make_request("victim", 15, priority=2, arrival=1.0)
+    sched.add(victim)
+    run_step(sched)  # 15 prompt tokens computed, token 7 sampled: blocks 0-2 are written
+    # Shares all 16 of the victim's tokens; block 3 fills in the victim's next step.
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    sharer = Request("sharer", [*range(10, 25), 7, 50, 51, 52, 53], params, [2], 100, 1, 2.0)
+    sched.add(sharer)
+    sched.add(make_request("urgent", 4, priority=1, arrival=3.0, start=300))
+    out = run_step(sched)
+    # The victim's decode was scheduled (block 3 allocated), the sharer hit block 3, then the
+    # urgent request evicted the victim: block 3 is never written, so the sharer computes it.
+    assert victim.status == RequestStatus.WAITING
+    sizes = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert sizes == {"sharer": 8, "urgent": 4}

@@ -323,6 +323,7 @@ class Engine:
                 request.num_computed_tokens = start
                 item = ScheduledRequest(request, min(step, len(ids) - start))
                 chunks.append(self.runner.prompt_logits(item, table))
+            self.kv.commit_step()
         finally:
             self.kv.free(request)
         logits = torch.cat(chunks)

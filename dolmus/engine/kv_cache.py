@@ -83,12 +83,20 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: bytes) -> None:
+    def register(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Key the block by its hash; False if it already had one (nothing changed)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
         # The first block computed under a hash stays the canonical one.
         self._cached.setdefault(block_hash, block)
+        return True
+
+    def unregister(self, block: KVBlock) -> None:
+        """Forget the block's hash: its contents will not be what the hash promises."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
 
 
 class KVCacheManager:
@@ -100,6 +108,12 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already registered
+        # Blocks registered during the step being scheduled, whose KV the coming forward pass
+        # writes: visible to requests admitted in the same step (every layer writes the whole
+        # step's K/V before any sequence reads), but withdrawn if their owner leaves the step.
+        self._fresh: dict[str, list[KVBlock]] = {}
+        self._fresh_owner: dict[int, str] = {}  # block id -> request that will write it
+        self._sharers: dict[str, set[str]] = {}  # owner -> requests that hit its fresh blocks
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -161,6 +175,10 @@ class KVCacheManager:
         if not self.can_fit(request, num_new_tokens, cached):
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        for block in cached:
+            owner = self._fresh_owner.get(block.block_id)
+            if owner is not None and owner != request.request_id:
+                self._sharers.setdefault(owner, set()).add(request.request_id)
         if cached:
             self.pool.share(cached)
             blocks.extend(cached)
@@ -174,23 +192,45 @@ class KVCacheManager:
         return True
 
     def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        """Publish blocks that will be full once this step's tokens are written.
+        """Register blocks that will be full once this step's tokens are written, as fresh.
 
-        Publishing before the forward pass is safe: a request admitted later in the same
-        step may hit these blocks, and the attention backend writes every new K/V of a
-        layer before any sequence reads the cache.
+        A request admitted later in the same step may hit them (the attention backend
+        writes every new K/V of a layer before any sequence reads the cache). They become
+        ordinary cached blocks at `commit_step`, once the forward pass has written them; if
+        their owner leaves the step first (preempted), `free` withdraws them.
         """
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_published.get(request.request_id, 0)
         for i in range(start, num_full):
-            self.pool.register(blocks[i], request.block_hashes[i])
+            if self.pool.register(blocks[i], request.block_hashes[i]):
+                self._fresh.setdefault(request.request_id, []).append(blocks[i])
+                self._fresh_owner[blocks[i].block_id] = request.request_id
         self._num_published[request.request_id] = max(start, num_full)
 
+    def sharers_of_fresh_blocks(self, request_id: str) -> list[str]:
+        """Requests of this step that hit blocks `request_id` was to write in this step."""
+        return sorted(self._sharers.get(request_id, ()))
+
+    def commit_step(self) -> None:
+        """The step's forward pass has written every fresh block: they are plain cache now."""
+        self._fresh.clear()
+        self._fresh_owner.clear()
+        self._sharers.clear()
+
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so its tail is evicted before its head."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_published.pop(request.request_id, None)
+        """Release a request's blocks, tail first, so its tail is evicted before its head.
+
+        Blocks it registered in the step being scheduled were never written: their hashes
+        go, so no one (the request itself, re-admitted, included) finds garbage KV.
+        """
+        rid = request.request_id
+        for block in self._fresh.pop(rid, ()):
+            self.pool.unregister(block)
+            self._fresh_owner.pop(block.block_id, None)
+        self._sharers.pop(rid, None)
+        blocks = self.req_blocks.pop(rid, [])
+        self._num_published.pop(rid, None)
         self.pool.release(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:

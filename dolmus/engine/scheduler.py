@@ -92,7 +92,24 @@ class Scheduler:
         self._finished_ids.append(request_id)
         return request
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(
+        self, request: Request, scheduled: dict[str, ScheduledRequest], preempted: list[Request]
+    ) -> None:
+        """Back to waiting (recomputed later, priority kept), with anyone relying on it this step.
+
+        A request admitted in this step may have hit blocks this one was to write in this
+        step; those blocks will now stay empty, so it leaves the step too.
+        """
+        sharers = self.kv.sharers_of_fresh_blocks(request.request_id)
+        self._requeue(request)
+        scheduled.pop(request.request_id, None)
+        preempted.append(request)
+        for rid in sharers:
+            sharer = self.requests.get(rid)
+            if sharer is not None and sharer.status == RequestStatus.RUNNING:
+                self._preempt(sharer, scheduled, preempted)
+
+    def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.WAITING
@@ -119,8 +136,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]  # least urgent, latest; not yet scheduled this step
-                self._preempt(victim)
-                preempted.append(victim)
+                self._preempt(victim, scheduled, preempted)
                 if victim is request:
                     break
             else:
@@ -178,9 +194,7 @@ class Scheduler:
         victim = max(self.running, key=lambda r: r.sort_key)
         if victim.priority <= request.priority:
             return False
-        scheduled.pop(victim.request_id, None)
-        self._preempt(victim)
-        preempted.append(victim)
+        self._preempt(victim, scheduled, preempted)
         return True
 
     def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
@@ -188,6 +202,7 @@ class Scheduler:
 
         Returns the requests that got a new token this step (finished ones included).
         """
+        self.kv.commit_step()  # the forward pass wrote every block allocated for this step
         now = time.monotonic()
         updated = []
         for item in output.scheduled:
