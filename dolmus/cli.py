@@ -84,6 +84,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="int4: head format",
     )
     g.add_argument(
+        "--attention-backend",
+        choices=_choices(EngineConfig, "attention_backend"),
+        default=d.attention_backend,
+        help="torch (gather + SDPA) or native (our C decode kernel; bf16 on AVX-512 BF16 CPUs)",
+    )
+    g.add_argument(
+        "--executor",
+        choices=_choices(EngineConfig, "executor"),
+        default=d.executor,
+        help="uni: the model in the engine's process; mp: in a worker process",
+    )
+    g.add_argument(
         "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,

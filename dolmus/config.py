@@ -56,6 +56,7 @@ def choice(default: Any, choices: tuple[Any, ...]) -> Any:
 
 QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+ATTENTION_BACKENDS = ("auto", "torch", "native")  # runtime/attention's registry, plus auto
 
 
 @dataclass
@@ -83,6 +84,10 @@ class EngineConfig:
     native_kernels: bool = True  # our AVX-512 C kernels (int8/int4, norm, decode attention) for bf16 CPU runs
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
+    # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)
+    attention_backend: str = choice("auto", ATTENTION_BACKENDS)
+    # uni: the model runs in the engine's process; mp: in a worker process fed each step's plan
+    executor: str = choice("uni", ("uni", "mp"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

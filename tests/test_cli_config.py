@@ -17,7 +17,9 @@ def _subparser(name: str) -> argparse.ArgumentParser:
     return sub.choices[name]
 
 
-@pytest.mark.parametrize("command,classes", [("serve", (EngineConfig, ServerConfig)), ("generate", (EngineConfig,))])
+@pytest.mark.parametrize(
+    "command,classes", [("serve", (EngineConfig, ServerConfig)), ("generate", (EngineConfig,))]
+)
 def test_each_field_has_one_flag_with_its_choices_and_default(command, classes):
     actions = [a for a in _subparser(command)._actions if a.option_strings]
     for cls in classes:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dolmus.engine.kv_cache import KVCacheManager
-from dolmus.engine.request import Request, RequestStatus, SampledToken
+from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler
 from dolmus.sampling_params import SamplingParams
+from dolmus.step import StepResult
 
 
 def make_request(
@@ -17,8 +18,8 @@ def make_request(
 
 def run_step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
-    sampled = {s.request.request_id: SampledToken(token) for s in out.scheduled if s.samples}
-    sched.update(out, sampled)
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
+    sched.update(out, StepResult(sampled))
     return out
 
 

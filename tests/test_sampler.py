@@ -15,7 +15,7 @@ def llm() -> LLM:
 
 
 def _rows(params, n=1):
-    return [SamplingRow(params, None, [1], [], []) for _ in range(n)]
+    return [SamplingRow(params, None, [1], 1, []) for _ in range(n)]
 
 
 def test_top_k_1_is_greedy(llm):
@@ -57,7 +57,7 @@ def test_penalties_change_repetitive_output(llm):
 def test_min_tokens_holds_eos_back():
     logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])  # EOS (2) would win
     sampler = Sampler(torch.device("cpu"), seed=0)
-    row = SamplingRow(SamplingParams(temperature=0, min_tokens=3), None, [1], [5], [2])
+    row = SamplingRow(SamplingParams(temperature=0, min_tokens=3), None, [1, 5], 1, [2])
     assert sampler(logits.clone(), [row])[0].token_id == 3
 
 

@@ -190,30 +190,19 @@ def test_checking_the_unmasked_choice_first_equals_masking_first() -> None:
     allowed = torch.rand(n, vocab, generator=gen) < 0.2
     allowed[:4, logits[:4].float().argmax(-1)] = True  # some rows' top token is allowed, some not
     sampler = Sampler(torch.device("cpu"), seed=0)
+    bitmask = torch.empty(n, (vocab + 31) // 32, dtype=torch.int32)
+    for i in range(n):
+        _FixedMask(allowed[i]).fill_bitmask(bitmask, i)
     rows = [
-        SamplingRow(
-            SamplingParams(temperature=0.0, top_k=5 if i % 5 == 0 else 0),
-            None,
-            [],
-            [],
-            [],
-            _FixedMask(allowed[i]),
-        )
+        SamplingRow(SamplingParams(temperature=0.0, top_k=5 if i % 5 == 0 else 0), None, [], 0, [], i)
         for i in range(n)
     ]
-    got = [t.token_id for t in sampler(logits, rows)]
+    got = [t.token_id for t in sampler(logits, rows, bitmask)]
     expected = logits.float().masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
     assert got == expected
     sampled = [
-        SamplingRow(
-            SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0),
-            None,
-            [],
-            [],
-            [],
-            _FixedMask(allowed[i]),
-        )
+        SamplingRow(SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0), None, [], 0, [], i)
         for i in range(n)
     ]
     for _ in range(20):
-        assert all(allowed[i, t.token_id] for i, t in enumerate(sampler(logits, sampled)))
+        assert all(allowed[i, t.token_id] for i, t in enumerate(sampler(logits, sampled, bitmask)))

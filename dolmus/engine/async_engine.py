@@ -84,10 +84,12 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._fail_all(EngineDeadError("the server is shutting down"))
+        await asyncio.to_thread(self.engine.executor.shutdown)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._error is None
+        """False once the step loop died or the executor lost a worker (checked even while idle)."""
+        return self._thread is not None and self._error is None and self.engine.is_healthy()
 
     # -- what the server reads ------------------------------------------------------------
 

@@ -37,13 +37,20 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (after a stop string: truncated there)
         self.emitted = 0  # characters of `text` already handed to the stream
         self.stopped_on: str | None = None
+        self.num_consumed = 0  # of the last add_tokens call's tokens: all, or up to a stop string
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Decode new tokens; return the stop string that matched, if any."""
+        """Decode new tokens; return the stop string that matched, if any.
+
+        Tokens after the one that completed a stop string are not decoded; `num_consumed`
+        says how many were.
+        """
+        self.num_consumed = 0
         for token_id in token_ids:
+            self.num_consumed += 1
             self.ids.append(token_id)
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])

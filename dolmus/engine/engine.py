@@ -22,12 +22,13 @@ from dolmus.config import EngineConfig, ModelConfig
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
-from dolmus.engine.scheduler import ScheduledRequest, Scheduler
+from dolmus.engine.scheduler import Scheduler, SchedulerOutput
+from dolmus.executor import Executor, WorkerDiedError, make_executor
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
-from dolmus.runtime.model_runner import ModelRunner
+from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
-from dolmus.structured.backend import GrammarCache
+from dolmus.structured.backend import GrammarCache, bitmask_words
 from dolmus.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,15 @@ class _Group:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = False) -> None:
+    """Schedules, runs steps through an executor, and turns their results into outputs.
+
+    `executor` is for tests that drive the engine with a runner of their own; by default the
+    config's executor is built (in this process, or worker processes).
+    """
+
+    def __init__(
+        self, config: EngineConfig | None = None, progress: bool = False, executor: Executor | None = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         path = config.model_path
         self.model_config = mc = ModelConfig.from_dir(path)
@@ -90,8 +99,10 @@ class Engine:
         self.dtype = config.resolve_dtype(mc.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(mc)
         self.tokenizer = load_tokenizer(str(config.tokenizer or path))
-        self.runner = ModelRunner(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
-        capacity = self.runner.num_blocks * config.block_size
+        spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
+        self.executor = executor or make_executor(spec)
+        self.num_blocks = self.executor.info.num_blocks
+        capacity = self.num_blocks * config.block_size
         if capacity < self.max_model_len:
             logger.warning(
                 "max_model_len lowered from %d to %d: the KV cache holds no more",
@@ -99,7 +110,7 @@ class Engine:
                 capacity,
             )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.resolve_batched_tokens(self.device), self.max_model_len
         )
@@ -112,6 +123,26 @@ class Engine:
         self._finished_by_reason: dict[str, int] = {}
         self._busy_prefill = 0.0
         self._busy_decode = 0.0
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it lives in this process (tests and benchmarks look inside)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runs in worker processes: no runner in this process")
+        return runner
+
+    def is_healthy(self) -> bool:
+        try:
+            self.executor.check_health()
+        except WorkerDiedError:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (if any); the engine is unusable afterwards."""
+        self.abort_all()
+        self.executor.shutdown()
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
@@ -222,21 +253,24 @@ class Engine:
             for s in sched.scheduled
             if s.request.num_computed_tokens < s.request.num_prompt_tokens
         )
-        sampled = self.runner.execute(sched)
-        updated = self.scheduler.update(sched, sampled)
-        self._generation_tokens += len(updated)
+        self._attach_grammar_bitmask(sched)
+        result = self.executor.execute(sched.plan)
+        updated = self.scheduler.update(sched, result)
 
         touched: dict[str, _Group] = {}
-        for request in updated:
+        for request, num_new in updated:
             group_id = self._owner.get(request.request_id)
             group = self._groups.get(group_id) if group_id is not None else None
             if group is None:
                 continue
             index = group.children.index(request) if len(group.children) > 1 else 0
-            if request.num_output_tokens == 1:
+            if request.num_output_tokens == num_new:
                 self._prompt_tokens += request.num_prompt_tokens
-            stop = group.detoks[index].add_tokens(request.output_token_ids[-1:])
+            detok = group.detoks[index]
+            stop = detok.add_tokens(request.output_token_ids[-num_new:])
+            self._generation_tokens += detok.num_consumed
             if stop is not None:
+                request.drop_last_outputs(num_new - detok.num_consumed)
                 request.stop_reason = stop
                 if request.status.finished:  # the same token also hit a length limit
                     request.status = RequestStatus.FINISHED_STOPPED
@@ -251,6 +285,19 @@ class Engine:
                 self._forget(out.request_id)
         self._account_busy(time.monotonic() - start, prefill_tokens, sched.num_batched_tokens)
         return outputs
+
+    def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
+        """Allowed tokens of each constrained request that samples this step, as plain data."""
+        constrained = [s.request for s in sched.scheduled if s.request.grammar is not None and s.samples]
+        if not constrained:
+            return
+        bitmask = torch.empty(
+            (len(constrained), bitmask_words(self.model_config.vocab_size)), dtype=torch.int32
+        )
+        for row, request in enumerate(constrained):
+            request.grammar.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+        sched.plan.grammar_bitmask = bitmask.numpy()
+        sched.plan.grammar_request_ids = [r.request_id for r in constrained]
 
     def _account_busy(self, seconds: float, prefill_tokens: int, total_tokens: int) -> None:
         if total_tokens:
@@ -320,9 +367,7 @@ class Engine:
         chunks = []
         try:
             for start in range(0, len(ids), step):
-                request.num_computed_tokens = start
-                item = ScheduledRequest(request, min(step, len(ids) - start))
-                chunks.append(self.runner.prompt_logits(item, table))
+                chunks.append(self.executor.prompt_logits(ids, start, min(step, len(ids) - start), table))
             self.kv.commit_step()
         finally:
             self.kv.free(request)
@@ -348,8 +393,8 @@ class Engine:
             generation_tokens=self._generation_tokens,
             num_preempted_waiting=self.scheduler.num_preempted_waiting,
             structured_requests=self._structured_requests,
-            weight_bytes=self.runner.weight_bytes,
-            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            weight_bytes=self.executor.info.weight_bytes,
+            kv_bytes_per_token=self.executor.info.kv_bytes_per_token,
             kv_capacity_tokens=kv.pool.num_blocks * self.config.block_size,
             busy_prefill_seconds=self._busy_prefill,
             busy_decode_seconds=self._busy_decode,

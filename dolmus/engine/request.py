@@ -32,15 +32,6 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class SampledToken:
-    """What the sampler made for one request in one step."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None  # includes the chosen token
-
-
-@dataclass
 class RequestTimings:
     """Wall-clock stamps (time.monotonic seconds) from which every latency metric derives."""
 
@@ -134,6 +125,17 @@ class Request:
         if self.timings.first_token is None:
             self.timings.first_token = now
         self.timings.token_times.append(now)
+
+    def drop_last_outputs(self, count: int) -> None:
+        """Take back the last `count` output tokens (text after a stop string in a multi-token step)."""
+        if count <= 0:
+            return
+        for token in reversed(self.output_token_ids[-count:]):
+            if self.logprobs:
+                self.cumulative_logprob -= self.logprobs.pop()[token]
+        del self.output_token_ids[-count:]
+        del self.all_token_ids[-count:]
+        del self.timings.token_times[-count:]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions; stop strings are the detokenizer's business."""

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from dolmus.engine.kv_cache import KVCacheManager
-from dolmus.engine.request import Request, RequestStatus, SampledToken
+from dolmus.engine.request import Request, RequestStatus
+from dolmus.step import NewRequest, RunningRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,11 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step: the plan for the runner (plain data) and the engine-side view of it."""
+
+    plan: StepPlan
     scheduled: list[ScheduledRequest]
-    block_tables: dict[str, list[int]]
     preempted: list[Request] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # for runners to drop state
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,6 +70,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        # What the runner holds: request id -> how many of its block ids it has been sent.
+        self._sent_blocks: dict[str, int] = {}
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -158,13 +162,40 @@ class Scheduler:
             budget -= scheduled[request.request_id].num_new_tokens
 
         out_list = list(scheduled.values())
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=out_list,
-            block_tables={s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out_list},
-            preempted=preempted,
-            finished_ids=finished,
-        )
+        return SchedulerOutput(self._plan(out_list, preempted), out_list, preempted)
+
+    def _plan(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> StepPlan:
+        """The step as a diff against what the runner already holds."""
+        plan = StepPlan(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        for rid in plan.finished_ids:
+            self._sent_blocks.pop(rid, None)
+        for request in preempted:
+            if self._sent_blocks.pop(request.request_id, None) is not None:
+                plan.preempted_ids.append(request.request_id)
+        for item in scheduled:
+            r = item.request
+            rid = r.request_id
+            blocks = self.kv.block_ids(rid)
+            sent = self._sent_blocks.get(rid)
+            if sent is None:
+                plan.new_requests.append(
+                    NewRequest(
+                        request_id=rid,
+                        token_ids=list(r.all_token_ids),
+                        num_prompt_tokens=r.num_prompt_tokens,
+                        params=r.params,
+                        seed=r.seed,
+                        stop_token_ids=sorted(r.stop_token_ids),
+                        block_ids=blocks,
+                        num_computed_tokens=r.num_computed_tokens,
+                    )
+                )
+            else:
+                plan.running.append(RunningRequest(rid, blocks[sent:], r.num_computed_tokens))
+            self._sent_blocks[rid] = len(blocks)
+            plan.num_scheduled_tokens[rid] = item.num_new_tokens
+        return plan
 
     def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> bool:
         """Move the head of the waiting queue to running if a seat and blocks are free."""
@@ -197,10 +228,12 @@ class Scheduler:
         self._preempt(victim, scheduled, preempted)
         return True
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what hit a limit.
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, int]]:
+        """Advance computed counts, append the new tokens, finish what hit a limit.
 
-        Returns the requests that got a new token this step (finished ones included).
+        A request may get several tokens in one step; stop conditions are checked after each
+        in order, and whatever follows a stop is dropped. Returns each request that got
+        tokens this step (finished ones included) with how many it kept.
         """
         self.kv.commit_step()  # the forward pass wrote every block allocated for this step
         now = time.monotonic()
@@ -210,27 +243,29 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token.token_id, now)
-            if request.grammar is not None and not request.grammar.accept(token.token_id):
+            tokens = result.sampled.get(request.request_id)
+            if tokens:
+                logprobs = result.logprobs.get(request.request_id)
+                updated.append((request, self._append(request, tokens, logprobs, now)))
+        return updated
+
+    def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> int:
+        """Append tokens one by one until one ends the request; returns how many were kept."""
+        for i, token in enumerate(tokens):
+            request.append_token(token, now)
+            if request.grammar is not None and not request.grammar.accept(token):
                 # Cannot happen while the sampler applies the mask; never take the batch down.
-                logger.error(
-                    "%s: token %d is outside its grammar; aborted", request.request_id, token.token_id
-                )
-                updated.append(request)
+                logger.error("%s: token %d is outside its grammar; aborted", request.request_id, token)
                 self.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
-                continue
-            if request.logprobs is not None and token.top_logprobs is not None:
-                request.logprobs.append(token.top_logprobs)
-            if token.logprob is not None:
-                request.cumulative_logprob += token.logprob
-            updated.append(request)
+                return i + 1
+            if logprobs is not None and request.logprobs is not None:
+                request.logprobs.append(logprobs[i].top)
+                request.cumulative_logprob += logprobs[i].logprob
             status = request.check_stop(self.max_model_len)
             if status is not None:
                 self.finish(request.request_id, status)
-        return updated
+                return i + 1
+        return len(tokens)
 
     # -- counters -------------------------------------------------------------------
 

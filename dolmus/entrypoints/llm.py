@@ -18,8 +18,15 @@ Prompt = str | Sequence[int]
 class LLM:
     """Runs many prompts at once through one engine and returns when all are done."""
 
-    def __init__(self, model: str | None = None, progress: bool = False, **engine_args: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_args), progress=progress)
+    def __init__(
+        self,
+        model: str | None = None,
+        progress: bool = False,
+        engine: Engine | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`engine`: run on an engine built elsewhere (say, with an executor of one's own)."""
+        self.engine = engine or Engine(EngineConfig(model=model, **engine_args), progress=progress)
         self._ids = itertools.count()
 
     @property

@@ -1,14 +1,18 @@
-"""Owns the model and the KV-cache memory; turns a SchedulerOutput into sampled tokens.
+"""Owns the model and the KV-cache memory; turns a StepPlan into a StepResult.
 
-It never decides who runs: it lays the scheduled tokens out as one flat batch (decodes
-first, then prefill chunks), describes where each token's K/V lives, runs the model, and
-samples for the requests whose chunk reached their last token.
+It never decides who runs. It keeps its own copy of every scheduled request (token ids, a
+row of a persistent block-table tensor, sampling settings), updated from each plan's diff;
+lays the scheduled tokens out as one flat batch (decodes first, then prefill chunks); has the
+attention backend describe where each token's K/V lives; runs the model; and samples for the
+requests whose chunk reached their last token, appending what it sampled to its copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,15 +23,15 @@ from dolmus.config import (
     EngineConfig,
     ModelConfig,
 )
-from dolmus.engine.request import SampledToken
-from dolmus.engine.scheduler import ScheduledRequest, SchedulerOutput
 from dolmus.quant.weight_only import module_bytes
 from dolmus.runtime import native
-from dolmus.runtime.attention import AttentionMetadata, DecodeGroup, PrefillSeq, get_backend
+from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.layers.linear import make_linear_method
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
+from dolmus.sampling_params import SamplingParams
+from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,41 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class RunnerSpec:
+    """Everything a runner is built from: plain data, so a worker process can build its own."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    progress: bool = False
+
+    def for_rank(self, rank: int) -> RunnerSpec:
+        """The spec as rank `rank` builds it: its own GPU where there is one per rank."""
+        if self.device.type != "cuda":
+            return self
+        return dataclasses.replace(
+            self, device=torch.device("cuda", rank), progress=self.progress and not rank
+        )
+
+
+@dataclass
+class _Sequence:
+    """The runner's copy of one scheduled request."""
+
+    token_ids: list[int]  # prompt, then every token sampled for it
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop_token_ids: list[int]
+    num_blocks: int  # filled entries of its block-table row
+    row: int  # its row of the block table
+    num_computed_tokens: int
 
 
 class ModelRunner:
@@ -71,6 +110,7 @@ class ModelRunner:
             and dtype == torch.bfloat16
             and native.library() is not None
         )
+        self.attention: AttentionBackend = get_backend(self._attention_backend_name())
         self.model = load_model(
             model_path,
             model_config,
@@ -84,7 +124,7 @@ class ModelRunner:
                 config.quant_lm_head,
                 config.native_kernels,
             ),
-            get_backend("torch", native=self.native_kernels),
+            self.attention,
             max_model_len,
             progress=progress,
         )
@@ -102,7 +142,34 @@ class ModelRunner:
         ]
         self.weight_bytes = module_bytes(self.model)
         self.sampler = Sampler(device, config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        # The persistent batch: one block-table row per held request, rows reused as they free up.
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.sequences: dict[str, _Sequence] = {}
+
+    @classmethod
+    def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
+        return cls(
+            spec.config,
+            spec.model_config,
+            spec.model_path,
+            spec.device,
+            spec.dtype,
+            spec.max_model_len,
+            spec.progress,
+        )
+
+    def _attention_backend_name(self) -> str:
+        name = self.config.attention_backend
+        if name == "auto":
+            return "native" if self.native_kernels else "torch"
+        if name == "native" and not self.native_kernels:
+            raise ValueError(
+                "attention_backend native needs bf16 on an x86-64 CPU with AVX-512 BF16, a C compiler "
+                "and native_kernels on"
+            )
+        return name
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
@@ -137,149 +204,140 @@ class ModelRunner:
         )
         return num_blocks
 
+    # -- the persistent batch -----------------------------------------------------------
+
+    def _apply_diff(self, plan: StepPlan) -> None:
+        for rid in plan.finished_ids:
+            self._drop(rid)
+        for rid in plan.preempted_ids:
+            self._drop(rid)
+        for new in plan.new_requests:
+            self._add(new)
+        for diff in plan.running:
+            seq = self.sequences[diff.request_id]
+            self._append_blocks(seq, diff.new_block_ids)
+            seq.num_computed_tokens = diff.num_computed_tokens
+
+    def _add(self, new: NewRequest) -> None:
+        if new.request_id in self.sequences:
+            raise ValueError(f"step plan: request {new.request_id!r} is already held by the runner")
+        if not self._free_rows:  # more held requests than seats: grow rather than fail
+            grown = self.block_table.shape[0]
+            self.block_table = torch.cat((self.block_table, torch.zeros_like(self.block_table)))
+            self._free_rows = list(range(2 * grown - 1, grown - 1, -1))
+        seq = _Sequence(
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            params=new.params,
+            seed=new.seed,
+            stop_token_ids=list(new.stop_token_ids),
+            num_blocks=0,
+            row=self._free_rows.pop(),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        self._append_blocks(seq, new.block_ids)
+        self.sequences[new.request_id] = seq
+
+    def _append_blocks(self, seq: _Sequence, block_ids: list[int]) -> None:
+        if block_ids:
+            end = seq.num_blocks + len(block_ids)
+            self.block_table[seq.row, seq.num_blocks : end] = torch.tensor(block_ids, dtype=torch.long)
+            seq.num_blocks = end
+
+    def _drop(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self._free_rows.append(seq.row)
+
     # -- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        for request_id in sched.finished_ids:
-            self._generators.pop(request_id, None)
-        if sched.empty:
-            return {}
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_diff(plan)
+        if plan.empty:
+            return StepResult()
+        scheduled = [(rid, self.sequences[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         # Decodes sorted by length, so similar lengths share a padded attention group.
-        decodes = sorted(
-            (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens
-        )
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, meta = self._prepare(ordered, len(decodes), sched.block_tables)
+        decodes = sorted((x for x in scheduled if x[2] == 1), key=lambda x: x[1].num_computed_tokens)
+        ordered = decodes + [x for x in scheduled if x[2] > 1]
+        input_ids, positions, meta = self._prepare([(s, n) for _, s, n in ordered], len(decodes))
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_index, rows, ids = [], [], []
         offset = 0
-        for item in ordered:
-            offset += item.num_new_tokens
-            if item.samples:
+        grammar_rows = {rid: i for i, rid in enumerate(plan.grammar_request_ids)}
+        for rid, seq, n in ordered:
+            offset += n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq.token_ids):
                 sample_index.append(offset - 1)
-                rows.append(self._sampling_row(item))
-                ids.append(item.request.request_id)
+                rows.append(self._sampling_row(seq, grammar_rows.get(rid)))
+                ids.append(rid)
         if not rows:
-            return {}
+            return StepResult()
         index = torch.tensor(sample_index, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return dict(zip(ids, self.sampler(logits, rows)))
+        bitmask = None if plan.grammar_bitmask is None else torch.from_numpy(plan.grammar_bitmask)
+        result = StepResult()
+        for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
+            self.sequences[rid].token_ids.append(sampled.token_id)
+            result.sampled[rid] = [sampled.token_id]
+            if sampled.logprobs is not None:
+                result.logprobs[rid] = [sampled.logprobs]
+        return result
 
     @torch.inference_mode()
-    def prompt_logits(self, item: ScheduledRequest, block_table: list[int]) -> torch.Tensor:
-        """Logits at every position of one prefill chunk: what scoring a text needs."""
-        ids, positions, meta = self._prepare([item], 0, {item.request.request_id: block_table})
+    def prompt_logits(
+        self, token_ids: list[int], num_computed: int, num_new: int, block_ids: list[int]
+    ) -> torch.Tensor:
+        """Logits at every position of one prefill chunk: what scoring a text needs.
+
+        Runs outside the persistent batch (the engine is idle), on blocks the caller holds.
+        """
+        seq = _Sequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
+        table = torch.tensor([block_ids], dtype=torch.long)
+        ids, positions, meta = self._prepare([(seq, num_new)], 0, table)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     def _prepare(
-        self, ordered: list[ScheduledRequest], num_decodes: int, block_tables: dict[str, list[int]]
+        self, ordered: list[tuple[_Sequence, int]], num_decodes: int, table: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs, dev = self.block_size, self.device
+        """Flat input ids and positions, and the backend's metadata, for the ordered sequences."""
+        bs = self.block_size
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for item in ordered[:num_decodes]:
-            r = item.request
-            pos = r.num_computed_tokens
-            tokens.append(r.all_token_ids[pos])
-            positions.append(pos)
-            slots.append(block_tables[r.request_id][pos // bs] * bs + pos % bs)
-        groups = [
-            self._decode_group(start, ordered[start:end], positions[start:end], block_tables)
-            for start, end in _length_groups(positions)
-        ]
-
-        prefill_seqs: list[PrefillSeq] = []
-        slot_chunks = [torch.tensor(slots, dtype=torch.long)]
-        start = num_decodes
-        for item in ordered[num_decodes:]:
-            r, n = item.request, item.num_new_tokens
-            ctx = r.num_computed_tokens
-            tokens.extend(r.all_token_ids[ctx : ctx + n])
-            positions.extend(range(ctx, ctx + n))
-            table = block_tables[r.request_id]
-            span = torch.arange(ctx, ctx + n)
-            slot_chunks.append(torch.tensor(table, dtype=torch.long)[span // bs] * bs + span % bs)
-            blocks = mask = None
-            if ctx:
-                blocks = torch.tensor(table[: -(-(ctx + n) // bs)], dtype=torch.long, device=dev)
-                mask = torch.ones(n, ctx + n, dtype=torch.bool, device=dev).tril(ctx)
-            prefill_seqs.append(PrefillSeq(start, n, ctx, blocks, mask))
-            start += n
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_chunks).to(dev),
-            block_size=bs,
-            decode_groups=groups,
-            prefills=prefill_seqs,
-        )
+        for seq, n in ordered:
+            ctx = seq.num_computed_tokens
+            if n == 1:
+                tokens.append(seq.token_ids[ctx])
+            else:
+                tokens.extend(seq.token_ids[ctx : ctx + n])
+        query_lens = torch.tensor([n for _, n in ordered], dtype=torch.long)
+        context_lens = torch.tensor([seq.num_computed_tokens for seq, _ in ordered], dtype=torch.long)
+        # Position of each token: its sequence's context length plus its offset in the chunk.
+        seq_of_token = torch.repeat_interleave(torch.arange(len(ordered)), query_lens)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        positions = context_lens[seq_of_token] + torch.arange(len(tokens)) - starts[seq_of_token]
+        width = int((context_lens + query_lens).max()) // bs + 1
+        if table is None:
+            rows = torch.tensor([seq.row for seq, _ in ordered], dtype=torch.long)
+            table = self.block_table[rows, : min(width, self.max_blocks_per_seq)]
+        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        layout = BatchLayout(num_decodes, query_lens, context_lens, table, slots, bs)
+        meta = self.attention.build_metadata(layout, self.device, self.dtype)
         return (
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(tokens, dtype=torch.long, device=self.device),
+            positions.to(self.device),
             meta,
         )
 
-    def _decode_group(
-        self,
-        start: int,
-        items: list[ScheduledRequest],
-        positions: list[int],
-        block_tables: dict[str, list[int]],
-    ) -> DecodeGroup:
-        bs = self.block_size
-        num_blocks = max(positions) // bs + 1
-        ids = torch.zeros(len(items), num_blocks, dtype=torch.long)
-        for i, item in enumerate(items):
-            row = block_tables[item.request.request_id][:num_blocks]
-            ids[i, : len(row)] = torch.tensor(row)
-        span = torch.arange(num_blocks * bs)
-        lengths = torch.tensor(positions).unsqueeze(1) + 1
-        mask = torch.zeros(len(items), num_blocks * bs, dtype=self.dtype)
-        mask.masked_fill_(span.unsqueeze(0) >= lengths, float("-inf"))
-        return DecodeGroup(
-            start=start,
-            count=len(items),
-            num_blocks=num_blocks,
-            block_ids=ids.view(-1).to(self.device),
-            mask=mask.view(len(items), 1, 1, -1).to(self.device),
-            lengths=lengths.view(-1).to(self.device),
-        )
-
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
-        r = item.request
-        gen = None
-        if r.seed is not None:
-            gen = self._generators.get(r.request_id)
-            if gen is None:
-                gen = torch.Generator(self.device).manual_seed(r.seed)
-                self._generators[r.request_id] = gen
+    @staticmethod
+    def _sampling_row(seq: _Sequence, grammar_row: int | None) -> SamplingRow:
         return SamplingRow(
-            params=r.params,
-            generator=gen,
-            prompt_ids=r.prompt_token_ids,
-            output_ids=r.output_token_ids,
-            stop_ids=sorted(r.stop_token_ids),
-            grammar=r.grammar,
+            params=seq.params,
+            seed=seq.seed,
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            stop_ids=seq.stop_token_ids,
+            grammar_row=grammar_row,
         )
-
-
-def _length_groups(positions: list[int], min_size: int = 8, spread: float = 1.5) -> list[tuple[int, int]]:
-    """Split length-sorted decodes into [start, end) groups of similar length.
-
-    A group closes once it has `min_size` members and the next sequence is `spread` times
-    longer than its first: padding stays bounded, and the number of groups (SDPA calls per
-    layer) grows only with the log of the length range.
-    """
-    groups: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or (
-            i - start >= min_size and positions[i] + 1 > spread * (positions[start] + 1)
-        ):
-            groups.append((start, i))
-            start = i
-    return groups

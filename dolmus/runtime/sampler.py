@@ -1,42 +1,70 @@
 """Turns logits into next tokens: logits processors, then temperature/top-k/top-p/min-p.
 
 Sampling is argmax(probs / E) with E ~ Exp(1) noise (equivalent to drawing from probs, and
-free of a host sync per row). Seeded rows draw their noise from their own generator, so a
-seed gives the same tokens whatever else shares the batch. Logprobs are of the raw model
-distribution, before any processing, as OpenAI and vLLM report them.
+free of a host sync per row). A seeded row draws its noise from a generator seeded by (seed,
+output position), so a seed gives the same tokens whatever else shares the batch, and whether
+or not the request was preempted or its tokens came several per step. Logprobs are of the raw
+model distribution, before any processing, as OpenAI and vLLM report them.
+
+Structured output arrives as data: a bitmask filled by the engine (one row per constrained
+request), never a grammar object, so the sampler runs wherever the model does.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
-from dolmus.engine.request import SampledToken
 from dolmus.sampling_params import SamplingParams
-from dolmus.structured.backend import GrammarState, apply_bitmask, bitmask_words
+from dolmus.step import TokenLogprobs
+from dolmus.structured.backend import apply_bitmask
 
 
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    generator: torch.Generator | None
-    prompt_ids: list[int]
-    output_ids: list[int]
+    seed: int | None  # the sequence's seed; None draws from the engine-wide generator
+    token_ids: list[int]  # prompt then output so far (read, never copied, unless penalties need it)
+    num_prompt_tokens: int
     stop_ids: list[int]  # tokens forbidden until min_tokens are out
-    grammar: GrammarState | None = None  # structured output: allowed tokens for this step
+    grammar_row: int | None = None  # structured output: this row's index in the step's bitmask
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The noise seed of one output position of a seeded sequence (64 bits, well mixed)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
+        self._seeded = torch.Generator(device)  # reseeded per (seed, position) before each draw
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        """logits: [len(rows), vocab] in the model's dtype."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None
+    ) -> list[Sampled]:
+        """logits: [len(rows), vocab] in the model's dtype; bitmask: int32 rows for `grammar_row`s."""
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = None
         plain_greedy = all(
-            r.params.greedy and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens
+            r.params.greedy and not r.params.has_penalties and r.num_output_tokens >= r.params.min_tokens
             for r in rows
         )
         if plain_greedy and all(k is None for k in want_logprobs):
@@ -48,39 +76,39 @@ class Sampler:
             if any(k is not None for k in want_logprobs):
                 raw_logprobs = torch.log_softmax(processed, dim=-1)
             token_list = self._choose(processed, rows)
-        if any(r.grammar is not None for r in rows):
-            self._enforce_grammars(logits, rows, token_list)
+        if bitmask is not None and any(r.grammar_row is not None for r in rows):
+            self._enforce_grammars(logits, rows, token_list, bitmask)
         if raw_logprobs is None:
-            return [SampledToken(t) for t in token_list]
+            return [Sampled(t) for t in token_list]
         return [
             self._with_logprobs(t, raw_logprobs[i], k)
             for i, (t, k) in enumerate(zip(token_list, want_logprobs))
         ]
 
     @staticmethod
-    def _with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> SampledToken:
+    def _with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> Sampled:
         if k is None:
-            return SampledToken(token)
+            return Sampled(token)
         chosen = float(logprobs[token])
         top: dict[int, float] = {token: chosen}
         if k > 0:
             values, ids = logprobs.topk(k)
             for tid, val in zip(ids.tolist(), values.tolist()):
                 top.setdefault(tid, val)
-        return SampledToken(token, chosen, top)
+        return Sampled(token, TokenLogprobs(chosen, top))
 
     @staticmethod
     def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_ids) < p.min_tokens and row.stop_ids:
+            if row.num_output_tokens < p.min_tokens and row.stop_ids:
                 logits[i, [t for t in row.stop_ids if t < vocab]] = float("-inf")
             if not p.has_penalties:
                 continue
             out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=logits.device)
+                seen = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
                 seen = seen.unique()
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(
@@ -97,7 +125,9 @@ class Sampler:
             return logits.max(dim=-1).indices.tolist()
         return self._sample(logits, rows).tolist()
 
-    def _enforce_grammars(self, logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> None:
+    def _enforce_grammars(
+        self, logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int], bitmask: torch.Tensor
+    ) -> None:
         """Replace tokens their grammar forbids by a choice among the allowed ones.
 
         Masking a full-vocabulary row costs far more than checking one bit, so the unmasked
@@ -108,10 +138,8 @@ class Sampler:
         chosen again from masked logits; for sampled rows that draw is from the masked
         distribution, which is what rejection of a forbidden first draw calls for.
         """
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        bitmask = torch.empty((len(constrained), bitmask_words(logits.shape[-1])), dtype=torch.int32)
-        for j, i in enumerate(constrained):
-            rows[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+        constrained = [i for i, r in enumerate(rows) if r.grammar_row is not None]
+        bitmask = bitmask[[rows[i].grammar_row for i in constrained]]
         redo = [
             j
             for j, i in enumerate(constrained)
@@ -142,8 +170,9 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
+            if row.seed is not None:
+                self._seeded.manual_seed(position_seed(row.seed, row.num_output_tokens))
+                noise[i].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         return torch.where(greedy, greedy_tokens, sampled)

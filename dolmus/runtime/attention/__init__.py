@@ -1,11 +1,11 @@
-"""Attention backends: one interface, a registry, and the implementations."""
+"""Attention backends: one contract, a registry, and the implementations."""
 
 from dolmus.runtime.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
-    DecodeGroup,
-    PrefillSeq,
+    BatchLayout,
+    backend_names,
     get_backend,
 )
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "PrefillSeq", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BatchLayout", "backend_names", "get_backend"]

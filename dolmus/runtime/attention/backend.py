@@ -1,7 +1,9 @@
 """The contract between a model's attention layers and the paged KV cache.
 
-The model runner describes a step once (`AttentionMetadata`); every layer then calls the
-backend with its own q/k/v and its own cache tensor. Layout of one layer's cache:
+The model runner describes a step once in backend-neutral terms (`BatchLayout`: query
+lengths, context lengths, block-table rows, slot mapping); the backend turns that into its
+own metadata (`build_metadata`), and every layer then calls the backend with its own q/k/v
+and its own cache tensor. Layout of one layer's cache:
 `[2, num_blocks * block_size, num_kv_heads, head_dim]` (keys, then values), addressed by
 slot = block_id * block_size + offset.
 """
@@ -10,54 +12,55 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from dolmus.runtime.attention.kv_store import PagedKV
 
-
-@dataclass
-class PrefillSeq:
-    """A sequence with more than one new token (a prompt or a chunk of one)."""
-
-    query_start: int  # first of its tokens in the flat batch
-    query_len: int
-    context_len: int  # tokens already in the cache before this chunk
-    block_ids: torch.Tensor | None  # blocks holding context + chunk; None if context_len == 0
-    mask: torch.Tensor | None  # [query_len, context_len + query_len] causal, when block_ids is set
+# What a backend's build_metadata returns; layers pass it through without looking inside.
+AttentionMetadata = Any
 
 
 @dataclass
-class DecodeGroup:
-    """Decodes of similar length, attended as one padded batch.
+class BatchLayout:
+    """The step's sequences, as the runner lays them out (CPU tensors).
 
-    Grouping by length keeps padding (wasted gathers and dot products) small when short
-    and long sequences decode together.
+    Sequences are in batch order: the first `num_decodes` have one new token each, sorted by
+    context length; the rest are prefill chunks. Token i of the flat batch belongs to the
+    sequence whose [query_start, query_start + query_len) holds i.
     """
 
-    start: int  # first of the group's tokens in the flat batch
-    count: int
-    num_blocks: int  # blocks per sequence after padding
-    block_ids: torch.Tensor  # [count * num_blocks], row-major
-    mask: torch.Tensor  # [count, 1, 1, num_blocks * block_size], 0 or -inf (model dtype)
-    lengths: torch.Tensor  # [count] int64: cached positions each sequence attends to
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go and what each of them may attend to.
-
-    The flat batch holds decodes first (one token each, in their groups), then prefill chunks.
-    """
-
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decodes: int
+    query_lens: torch.Tensor  # [num_seqs] int64: new tokens of each sequence
+    context_lens: torch.Tensor  # [num_seqs] int64: tokens already in its cache before this step
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int64: enough columns for every sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     block_size: int
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillSeq]
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """[num_seqs + 1] int64: where each sequence's tokens start in the flat batch."""
+        return torch.nn.functional.pad(self.query_lens.cumsum(0), (1, 0))
 
 
 class AttentionBackend(ABC):
     name: str
+    # CUDA graphs replay fixed buffers: a backend that supports them copies each step's
+    # metadata into buffers it allocated for the largest batch (decode only, padded).
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> Any:
+        """This backend's description of the step, built once and passed to every layer."""
+
+    def prepare_graph_buffers(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> Any:
+        """Allocate the fixed metadata buffers that captured graphs read (capture time)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not capture CUDA graphs")
+
+    def fill_graph_buffers(self, buffers: Any, meta: Any) -> None:
+        """Copy a step's metadata into the captured graph's buffers (replay time)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not capture CUDA graphs")
 
     @abstractmethod
     def forward(
@@ -84,10 +87,18 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_backend(name: str = "torch", **options: bool) -> AttentionBackend:
-    # Imported here so the registry fills without the backends importing each other.
-    from dolmus.runtime.attention import torch_sdpa  # noqa: F401
+def backend_names() -> list[str]:
+    _import_backends()
+    return sorted(_BACKENDS)
 
+
+def get_backend(name: str) -> AttentionBackend:
+    _import_backends()
     if name not in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; known: {sorted(_BACKENDS)}")
-    return _BACKENDS[name](**options)
+    return _BACKENDS[name]()
+
+
+def _import_backends() -> None:
+    # Imported here so the registry fills without the backends importing each other.
+    from dolmus.runtime.attention import native_cpu, torch_sdpa  # noqa: F401

@@ -1,31 +1,104 @@
 """Reference attention on any device: gather the cache by block, then PyTorch SDPA.
 
-Each decode group runs as one padded batch (one gather, one SDPA call per layer); each
-prefill chunk runs on its own, attending to its fresh k/v directly when it has no cached
-context. Gathers are `index_select` over whole blocks, several times faster on CPU than
-advanced indexing by slot.
-
-With `native=True` (bf16 on an AVX-512 BF16 CPU) decodes of a plain bf16 cache instead run
-our C kernel (runtime/native/layer_kernels.c), which reads each sequence's blocks in place:
-no gathers, no padding, one call per group (~3x faster at batch 1, ~5x at 32 sequences).
+Decodes are split into groups of similar length, each attended as one padded batch (one
+gather, one SDPA call per layer); each prefill chunk runs on its own, attending to its fresh
+k/v directly when it has no cached context. Gathers are `index_select` over whole blocks,
+several times faster on CPU than advanced indexing by slot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from dolmus.runtime.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from dolmus.runtime.attention.backend import AttentionBackend, BatchLayout, register_backend
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.native import ops as native_ops
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence with more than one new token (a prompt or a chunk of one)."""
+
+    query_start: int  # first of its tokens in the flat batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor | None  # blocks holding context + chunk; None if context_len == 0
+    mask: torch.Tensor | None  # [query_len, context_len + query_len] causal, when block_ids is set
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar length, attended as one padded batch.
+
+    Grouping by length keeps padding (wasted gathers and dot products) small when short
+    and long sequences decode together.
+    """
+
+    start: int  # first of the group's tokens in the flat batch
+    count: int
+    num_blocks: int  # blocks per sequence after padding
+    block_ids: torch.Tensor  # [count * num_blocks], row-major
+    mask: torch.Tensor  # [count, 1, 1, num_blocks * block_size], 0 or -inf (model dtype)
+    lengths: torch.Tensor  # [count] int64: cached positions each sequence attends to
+
+
+@dataclass
+class SDPAMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    block_size: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSeq]
 
 
 @register_backend
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, native: bool = False) -> None:
-        self.native = native
+    def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> SDPAMetadata:
+        bs, nd = layout.block_size, layout.num_decodes
+        contexts = layout.context_lens.tolist()
+        groups = [
+            self._decode_group(layout, start, end, contexts[start:end], device, dtype)
+            for start, end in _length_groups(contexts[:nd])
+        ]
+        prefills: list[PrefillSeq] = []
+        start = nd
+        for i, n in enumerate(layout.query_lens[nd:].tolist(), start=nd):
+            ctx = contexts[i]
+            blocks = mask = None
+            if ctx:
+                blocks = layout.block_table[i, : -(-(ctx + n) // bs)].to(device)
+                mask = torch.ones(n, ctx + n, dtype=torch.bool, device=device).tril(ctx)
+            prefills.append(PrefillSeq(start, n, ctx, blocks, mask))
+            start += n
+        return SDPAMetadata(layout.slot_mapping.to(device), bs, groups, prefills)
+
+    @staticmethod
+    def _decode_group(
+        layout: BatchLayout,
+        start: int,
+        end: int,
+        contexts: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> DecodeGroup:
+        bs, count = layout.block_size, end - start
+        num_blocks = max(contexts) // bs + 1
+        ids = layout.block_table[start:end, :num_blocks]
+        lengths = layout.context_lens[start:end].unsqueeze(1) + 1
+        span = torch.arange(num_blocks * bs)
+        mask = torch.zeros(count, num_blocks * bs, dtype=dtype)
+        mask.masked_fill_(span.unsqueeze(0) >= lengths, float("-inf"))
+        return DecodeGroup(
+            start=start,
+            count=count,
+            num_blocks=num_blocks,
+            block_ids=ids.reshape(-1).to(device),
+            mask=mask.view(count, 1, 1, -1).to(device),
+            lengths=lengths.view(-1).to(device),
+        )
 
     def forward(
         self,
@@ -33,52 +106,14 @@ class TorchSDPABackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: PagedKV,
-        meta: AttentionMetadata,
+        meta: SDPAMetadata,
         scale: float,
     ) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        bs = meta.block_size
-
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-        group_size = num_heads // num_kv_heads
-        native = (
-            self.native
-            and type(kv_cache) is PagedKV  # not a quantized cache
-            and q.dtype == kv_cache.data.dtype == torch.bfloat16
-            and head_dim % 16 == 0
-            and q.stride(2) == 1
-            and q.stride(1) == head_dim
-        )
         for g in meta.decode_groups:
-            n, length = g.count, g.num_blocks * bs
-            if native:
-                native_ops.decode_attention(
-                    q[g.start : g.start + n],
-                    kv_cache.data[0],
-                    kv_cache.data[1],
-                    g.block_ids.view(n, g.num_blocks),
-                    g.lengths,
-                    out[g.start : g.start + n],
-                    bs,
-                    scale,
-                )
-                continue
-            keys = kv_cache.blocks(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
-            values = kv_cache.blocks(1, g.block_ids).view(n, length, num_kv_heads, head_dim)
-            # Grouped-query decode: the query heads sharing a KV head become query rows of
-            # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
-            # with a single query row is ~10x slower on CPU.)
-            res = F.scaled_dot_product_attention(
-                q[g.start : g.start + n].reshape(n, num_kv_heads, group_size, head_dim),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=g.mask,
-                scale=scale,
-            )
-            out[g.start : g.start + n] = res.reshape(n, num_heads, head_dim)
-
+            self._decode(q, kv_cache, g, out, meta.block_size, scale)
         for seq in meta.prefills:
             s, n = seq.query_start, seq.query_len
             if seq.block_ids is None:
@@ -100,3 +135,48 @@ class TorchSDPABackend(AttentionBackend):
             )
             out[s : s + n] = res.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: PagedKV,
+        g: DecodeGroup,
+        out: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> None:
+        """Attend one decode group (writes its rows of `out`)."""
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.data.shape[2]
+        n, length = g.count, g.num_blocks * block_size
+        keys = kv_cache.blocks(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
+        values = kv_cache.blocks(1, g.block_ids).view(n, length, num_kv_heads, head_dim)
+        # Grouped-query decode: the query heads sharing a KV head become query rows of
+        # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
+        # with a single query row is ~10x slower on CPU.)
+        res = F.scaled_dot_product_attention(
+            q[g.start : g.start + n].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=g.mask,
+            scale=scale,
+        )
+        out[g.start : g.start + n] = res.reshape(n, num_heads, head_dim)
+
+
+def _length_groups(positions: list[int], min_size: int = 8, spread: float = 1.5) -> list[tuple[int, int]]:
+    """Split length-sorted decodes into [start, end) groups of similar length.
+
+    A group closes once it has `min_size` members and the next sequence is `spread` times
+    longer than its first: padding stays bounded, and the number of groups (SDPA calls per
+    layer) grows only with the log of the length range.
+    """
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or (
+            i - start >= min_size and positions[i] + 1 > spread * (positions[start] + 1)
+        ):
+            groups.append((start, i))
+            start = i
+    return groups

@@ -1,0 +1,47 @@
+"""The executor contract: run a StepPlan wherever the model lives, return its StepResult.
+
+The engine sees only this: plans in, results out, plus the facts it needs to size its KV
+bookkeeping. Everything that crosses it is plain data (see dolmus/step.py), so an executor
+may keep its runners in other processes or on other hosts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from dolmus.step import StepPlan, StepResult
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of the executor is gone; no step can complete any more."""
+
+
+@dataclass
+class RunnerInfo:
+    """What the engine needs to know of the runners once they are loaded."""
+
+    num_blocks: int  # KV blocks every rank holds
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
+class Executor(ABC):
+    info: RunnerInfo
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @abstractmethod
+    def prompt_logits(
+        self, token_ids: list[int], num_computed: int, num_new: int, block_ids: list[int]
+    ) -> torch.Tensor:
+        """Logits at every position of one chunk (scoring a text on an idle engine)."""
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if the executor can no longer run steps."""
+
+    def shutdown(self) -> None:
+        """Release workers and memory; the executor is unusable afterwards."""

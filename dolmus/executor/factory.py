@@ -1,0 +1,16 @@
+"""Picks the executor an EngineConfig asks for."""
+
+from __future__ import annotations
+
+from dolmus.executor.base import Executor
+from dolmus.runtime.model_runner import RunnerSpec
+
+
+def make_executor(spec: RunnerSpec) -> Executor:
+    if spec.config.executor == "mp":
+        from dolmus.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(spec)
+    from dolmus.executor.uniproc import InProcessExecutor
+
+    return InProcessExecutor(spec)
