@@ -210,6 +210,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
     )
+    g.add_argument(
+        "--engine-core",
+        choices=_choices(ServerConfig, "engine_core"),
+        default=d.engine_core,
+        help="process: the step loop in its own process; thread: in the API server's process",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

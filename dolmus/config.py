@@ -300,6 +300,9 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
     log_level: str = "info"
+    # process: the step loop in its own process (HTTP work never takes its interpreter);
+    # thread: on a thread of the API server's process
+    engine_core: str = choice("process", ("process", "thread"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -312,6 +315,7 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
             raise ValueError(f"gpu_hour_cost must be >= 0, got {self.gpu_hour_cost}")
+        check_choices(self)
 
     def model_name(self, engine: EngineConfig) -> str:
         return self.served_model_name or engine.model or "stories260k"

@@ -133,7 +133,7 @@ class AsyncEngine:
                 # (one SSE chunk instead of many), so slow clients cost less, not more.
                 while isinstance(item, RequestOutput) and not stream.empty():
                     newer = stream.get_nowait()
-                    item = newer if isinstance(newer, BaseException) else _coalesce(item, newer)
+                    item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
@@ -234,7 +234,7 @@ class AsyncEngine:
             stream.put_nowait(exc)
 
 
-def _coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """`newer` carrying the text deltas of both (everything else in it is cumulative)."""
     for old, new in zip(older.outputs, newer.outputs):
         new.text_delta = old.text_delta + new.text_delta

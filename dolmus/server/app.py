@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dolmus.config import PRIORITY_TIERS, EngineConfig, ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
+from dolmus.engine.core_client import EngineCoreClient
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.server.errors import APIError, error_bytes, install_handlers
@@ -43,31 +44,41 @@ class ServerState:
         self.server_config = server_config
         self.model_name = server_config.model_name(engine_config)
         self.chat_template = server_config.load_chat_template()  # fail before loading a model
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | EngineCoreClient | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: EngineMetrics | None = None
         self.load_error: BaseException | None = None
         self.on_load_failure: Callable[[], None] | None = None
 
     async def load(self) -> None:
+        holder: list[EngineMetrics] = []
         try:
-            engine = await asyncio.to_thread(Engine, self.engine_config, True)
+            if self.server_config.engine_core == "process":
+                engine: AsyncEngine | EngineCoreClient = EngineCoreClient(
+                    self.engine_config, on_finished=lambda out: holder[0].observe_finished(out)
+                )
+                await engine.start()
+            else:
+                local = await asyncio.to_thread(Engine, self.engine_config, True)
+                engine = AsyncEngine(local, on_finished=lambda out: holder[0].observe_finished(out))
+                engine.start()
         except BaseException as exc:
             self.load_error = exc
             logger.error("model failed to load: %s", exc)
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
-        metrics = EngineMetrics(self.model_name, lambda: async_engine.stats, self.server_config.gpu_hour_cost)
-        async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
-        engine.grammars.on_compiled = metrics.grammar_compile.observe
-        async_engine.start()
+        metrics = EngineMetrics(self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost)
+        holder.append(metrics)
+        engine.engine.grammars.on_compiled = metrics.grammar_compile.observe
         self.metrics = metrics
-        self.engine = async_engine
+        self.engine = engine
         self.serving = OpenAIServing(
-            async_engine, self.model_name, self.chat_template, self.server_config.max_waiting
+            engine, self.model_name, self.chat_template, self.server_config.max_waiting
         )
-        logger.info("model %s loaded; serving", self.model_name)
+        logger.info(
+            "model %s loaded; serving (engine core: %s)", self.model_name, self.server_config.engine_core
+        )
 
     def ready(self) -> OpenAIServing:
         if self.serving is None or self.engine is None:

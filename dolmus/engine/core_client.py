@@ -1,0 +1,242 @@
+"""The API server's side of an engine core process: the AsyncEngine interface over ZeroMQ.
+
+`generate` queues a request with the core and yields its outputs as the core's messages
+arrive; a reader task fans each message out to per-request streams. A watcher thread turns
+the core process's exit into EngineDeadError for every stream (and `is_running` False, so
+/health answers 503), never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from dolmus.config import EngineConfig, ModelConfig
+from dolmus.engine.async_engine import EngineDeadError, coalesce
+from dolmus.engine.core_proc import run_engine_core
+from dolmus.engine.core_protocol import (
+    AbortRequest,
+    AddRequest,
+    CoreDied,
+    LoadFailed,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    from_core_decoder,
+    to_core_encoder,
+)
+from dolmus.engine.engine import EngineStats, load_tokenizer
+from dolmus.outputs import RequestOutput
+from dolmus.sampling_params import SamplingParams
+from dolmus.structured.backend import GrammarCache
+from dolmus.structured.xgrammar_backend import XGrammarBackend
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_WAIT_S = 10.0
+
+OutputHook = Callable[[RequestOutput], None]
+
+
+@dataclass
+class FrontEnd:
+    """What the API server reads of the engine, held in its own process."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_config: ModelConfig
+    grammars: GrammarCache  # validates (and compiles) specs here; the core compiles its own copy
+
+
+class EngineCoreClient:
+    """Starts the engine core process and talks to it; the same interface as AsyncEngine."""
+
+    def __init__(self, config: EngineConfig, on_finished: OutputHook | None = None) -> None:
+        self.config = config
+        self._on_finished = on_finished
+        self._dir = tempfile.mkdtemp(prefix="dolmus-core-")
+        self._ctx = zmq.asyncio.Context()
+        self._inbox = self._ctx.socket(zmq.PUSH)  # to the core
+        self._inbox.bind(f"ipc://{self._dir}/inbox")
+        self._outbox = self._ctx.socket(zmq.PULL)  # from the core
+        self._outbox.bind(f"ipc://{self._dir}/outbox")
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending_adds = 0
+        self._stats: EngineStats | None = None
+        self._error: str | None = None
+        self._closing = False
+        self.engine: FrontEnd | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the core and wait until its model is loaded; ValueError if it fails to load."""
+        mc = ModelConfig.from_dir(self.config.model_path)
+        tokenizer = await asyncio.to_thread(
+            load_tokenizer, str(self.config.tokenizer or self.config.model_path)
+        )
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.config, f"ipc://{self._dir}/inbox", f"ipc://{self._dir}/outbox", logging.root.level),
+            name="dolmus-engine-core",
+        )
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._watch, args=(loop,), name="dolmus-core-watch", daemon=True).start()
+        while True:
+            msg = from_core_decoder.decode(await self._recv_or_death())
+            if isinstance(msg, LoadFailed):
+                await self.shutdown()
+                raise ValueError(msg.message)
+            if isinstance(msg, Ready):
+                break
+        self._stats = msg.stats
+        grammars = GrammarCache(lambda: XGrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids))
+        self.engine = FrontEnd(tokenizer, msg.max_model_len, mc, grammars)
+        self._reader = asyncio.create_task(self._read())
+
+    async def _recv_or_death(self) -> bytes:
+        while True:
+            if await self._outbox.poll(200):
+                return await self._outbox.recv()
+            if self._error is not None:
+                raise ValueError(f"the engine core exited while loading: {self._error}")
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        proc = self._proc
+        assert proc is not None
+        proc.join()
+        if self._closing:
+            return
+        self._error = f"the engine core process exited with code {proc.exitcode}"
+        logger.error("%s", self._error)
+        try:
+            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self._error))
+        except RuntimeError:  # the loop is closed
+            pass
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, stop the core (killing it if it does not stop), clean up."""
+        self._closing = True
+        if self._reader is not None:
+            self._reader.cancel()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            try:
+                await self._inbox.send(to_core_encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(proc.join, _SHUTDOWN_WAIT_S)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._inbox.close(linger=0)
+        self._outbox.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine is not None and self._error is None and not self._closing
+
+    # -- what the server reads ------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        assert self._stats is not None
+        return self._stats
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self._pending_adds
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as steps make them; leaving early aborts it in the core."""
+        if not self.is_running:
+            raise EngineDeadError(self._error or "the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._pending_adds += params.n
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        add = AddRequest(request_id, prompt, params, priority, time.monotonic())
+        await self._inbox.send(to_core_encoder.encode(add))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                while isinstance(item, RequestOutput) and not stream.empty():
+                    newer = stream.get_nowait()
+                    item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._closing:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._closing:
+            return
+        try:
+            self._inbox.send(to_core_encoder.encode(AbortRequest(request_id)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # -- the reader task ------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            msg = from_core_decoder.decode(await self._outbox.recv())
+            if isinstance(msg, CoreDied):
+                self._error = msg.message
+                logger.error("engine core: %s", msg.message)
+                self._fail_all(EngineDeadError(msg.message.splitlines()[0]))
+                return
+            if not isinstance(msg, StepOutputs):
+                continue
+            self._stats = msg.stats
+            self._pending_adds -= msg.num_applied_adds
+            for out in msg.outputs:
+                if out.finished and self._on_finished is not None:
+                    self._on_finished(out)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+            for rid, why in msg.errors:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put_nowait(ValueError(why))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)

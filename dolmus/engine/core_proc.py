@@ -1,0 +1,152 @@
+"""The engine core in its own process: the step loop, fed and drained over ZeroMQ.
+
+As in vLLM v1, the API server's HTTP and SSE work runs in another interpreter, so it never
+competes with the step loop for the GIL. The loop takes every queued command between steps,
+runs a step whenever there is work, and sends one message per step with the outputs and a
+stats snapshot. Grammars are compiled on a worker thread before their request enters the
+engine, so a large schema never stalls a step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import signal
+import sys
+import traceback
+
+import zmq
+
+from dolmus.config import EngineConfig
+from dolmus.engine.core_protocol import (
+    AbortRequest,
+    AddRequest,
+    CoreDied,
+    LoadFailed,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    from_core_encoder,
+    to_core_decoder,
+)
+from dolmus.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_COMPILE_POLL_MS = 5  # while grammars compile, how often an idle loop looks for them
+
+
+def run_engine_core(config: EngineConfig, inbox_addr: str, outbox_addr: str, log_level: int) -> None:
+    """Process entry point: load the engine, then serve commands until Shutdown."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    if sys.platform.startswith("linux"):  # die with the API server: no orphan holding the model
+        try:
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C and SIGTERM are the API server's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(inbox_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(outbox_addr)
+    try:
+        engine = Engine(config, progress=True)
+    except Exception as exc:
+        outbox.send(from_core_encoder.encode(LoadFailed(str(exc))))
+        outbox.close(linger=2000)
+        return
+    outbox.send(from_core_encoder.encode(Ready(engine.max_model_len, engine.stats())))
+    try:
+        _CoreLoop(engine, inbox, outbox).run()
+    except BaseException as exc:
+        logger.exception("engine core died")
+        outbox.send(from_core_encoder.encode(CoreDied(f"engine failed: {exc!r}\n{traceback.format_exc()}")))
+    finally:
+        engine.shutdown()
+        inbox.close(linger=0)
+        outbox.close(linger=2000)
+        ctx.term()
+
+
+class _CoreLoop:
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dolmus-grammar")
+        self.compiling: list[tuple[AddRequest, concurrent.futures.Future]] = []
+        self.errors: list[tuple[str, str]] = []
+        self.added = 0
+
+    def run(self) -> None:
+        while True:
+            if not self._take_commands():
+                return
+            self._admit_compiled()
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if outputs or self.errors or self.added:
+                self._send(outputs)
+
+    def _take_commands(self) -> bool:
+        """Apply queued commands; block while there is nothing else to do. False: shut down."""
+        idle = not self.engine.has_unfinished_requests()
+        timeout = (_COMPILE_POLL_MS if self.compiling else None) if idle else 0
+        while True:
+            if timeout != 0 and not self.inbox.poll(timeout):
+                return True
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            timeout = 0  # after the first command, take only what is already there
+            msg = to_core_decoder.decode(data)
+            if isinstance(msg, Shutdown):
+                return False
+            if isinstance(msg, AbortRequest):
+                self._abort(msg.request_id)
+            else:
+                self._add(msg)
+
+    def _add(self, msg: AddRequest) -> None:
+        spec = msg.params.structured_output
+        if spec is not None:
+            self.compiling.append((msg, self.compiler.submit(self.engine.grammars.compile, spec)))
+            return
+        self._add_now(msg)
+
+    def _add_now(self, msg: AddRequest) -> None:
+        self.added += msg.params.n
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt, msg.params, msg.priority, msg.arrival_time)
+        except ValueError as exc:
+            self.errors.append((msg.request_id, str(exc)))
+
+    def _admit_compiled(self) -> None:
+        still = []
+        for msg, future in self.compiling:
+            if not future.done():
+                still.append((msg, future))
+            elif future.exception() is not None:
+                self.added += msg.params.n
+                self.errors.append((msg.request_id, str(future.exception())))
+            else:
+                self._add_now(msg)  # compiled and cached: new_state is cheap now
+        self.compiling = still
+
+    def _abort(self, request_id: str) -> None:
+        for msg, future in self.compiling:
+            if msg.request_id == request_id:  # never reached the engine: count it as settled
+                future.cancel()
+                self.compiling.remove((msg, future))
+                self.added += msg.params.n
+                return
+        self.engine.abort_request(request_id)
+
+    def _send(self, outputs: list) -> None:
+        msg = StepOutputs(outputs, self.errors, self.added, self.engine.stats())
+        self.errors, self.added = [], 0
+        self.outbox.send(from_core_encoder.encode(msg), copy=False)

@@ -1,0 +1,62 @@
+"""Messages between the API server and the engine core process (msgspec over ZeroMQ).
+
+Typed msgspec structs: the core decodes straight into SamplingParams and the front end into
+RequestOutput and EngineStats (dataclasses), at a few microseconds per message.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dolmus.engine.engine import EngineStats
+from dolmus.outputs import RequestOutput
+from dolmus.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float  # time.monotonic() in the front end (one clock for every process here)
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToCore = AddRequest | AbortRequest | Shutdown
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    stats: EngineStats
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    """What one pass of the core loop produced: outputs, refused requests, a fresh snapshot."""
+
+    outputs: list[RequestOutput]
+    errors: list[tuple[str, str]]  # (request id, why it was refused)
+    num_applied_adds: int  # sequences added to the engine since the last message
+    stats: EngineStats
+
+
+class CoreDied(msgspec.Struct, tag=True):
+    message: str
+
+
+FromCore = Ready | LoadFailed | StepOutputs | CoreDied
+
+to_core_encoder = msgspec.msgpack.Encoder()
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+from_core_encoder = msgspec.msgpack.Encoder()
+from_core_decoder = msgspec.msgpack.Decoder(FromCore)
