@@ -12,13 +12,13 @@ Order of business every step:
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass, field
 
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
+from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.step import NewRequest, RunningRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []  # kept sorted by sort_key
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -79,7 +79,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        self.waiting.push(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, limits) and free its blocks at once."""
@@ -120,7 +120,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        self.waiting.push(request)
 
     @property
     def has_work(self) -> bool:
@@ -153,7 +153,8 @@ class Scheduler:
         # A step that had to preempt for memory admits nobody: the pool is over-committed.
         pool_short = bool(preempted)
         while not pool_short and self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self.waiting.peek()
+            assert request is not None
             if not self._admit(request, budget, scheduled):
                 if not self._evict_for(request, scheduled, preempted):
                     break
@@ -206,7 +207,7 @@ class Scheduler:
         if not self.kv.allocate(request, num_new, cached):
             return False
         self.kv.record_prefix_lookup(request, len(cached))
-        self.waiting.pop(0)
+        self.waiting.pop()
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
@@ -279,4 +280,4 @@ class Scheduler:
 
     @property
     def num_preempted_waiting(self) -> int:
-        return sum(1 for r in self.waiting if r.num_preemptions)
+        return self.waiting.num_preempted
