@@ -38,8 +38,8 @@ class TeacherForcedExecutor(Executor):
         for new in plan.new_requests:
             self.held[new.request_id] = (list(new.token_ids), new.num_prompt_tokens)
             self.computed[new.request_id] = new.num_computed_tokens
-        for diff in plan.running:
-            self.computed[diff.request_id] = diff.num_computed_tokens
+        for rid, computed in zip(plan.running.request_ids, plan.running.num_computed_tokens):
+            self.computed[rid] = computed
         result = StepResult()
         for rid, n in plan.num_scheduled_tokens.items():
             tokens, prompt_len = self.held[rid]

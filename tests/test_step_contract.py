@@ -6,14 +6,21 @@ import ast
 import pickle
 from pathlib import Path
 
-import numpy as np
-
 import dolmus
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler
 from dolmus.sampling_params import SamplingParams
-from dolmus.step import NewRequest, RunningRequest, StepPlan, StepResult, TokenLogprobs
+from dolmus.step import (
+    NewRequest,
+    RunningRequests,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    decode_plan,
+    decode_result,
+    encode,
+)
 from dolmus.structured.spec import StructuredOutput
 
 PACKAGE = Path(dolmus.__file__).parent
@@ -50,7 +57,7 @@ def test_the_step_contract_imports_neither_torch_nor_the_engine():
     assert _offenders("step.py", ("torch", "dolmus.engine", "dolmus.runtime")) == []
 
 
-def test_plan_and_result_round_trip_through_pickle():
+def test_plan_and_result_round_trip_through_msgpack_and_pickle():
     params = SamplingParams(
         temperature=0.7,
         top_k=5,
@@ -61,20 +68,19 @@ def test_plan_and_result_round_trip_through_pickle():
     )
     plan = StepPlan(
         new_requests=[NewRequest("a", [1, 2, 3], 3, params, 3, [2], [4, 5], 0)],
-        running=[RunningRequest("b", [9], 17)],
+        running=RunningRequests(["b"], [[9]], [17]),
         num_scheduled_tokens={"a": 3, "b": 1},
         draft_token_ids={"b": [7, 8]},
         finished_ids=["c"],
         preempted_ids=["d"],
-        grammar_bitmask=np.arange(8, dtype=np.int32).reshape(1, 8),
+        grammar_bitmask=bytes(range(32)),
         grammar_request_ids=["a"],
     )
-    back = pickle.loads(pickle.dumps(plan))
-    assert np.array_equal(back.grammar_bitmask, plan.grammar_bitmask)
-    back.grammar_bitmask = plan.grammar_bitmask
-    assert back == plan and back.num_batched_tokens == 4
+    for back in (decode_plan(encode(plan)), pickle.loads(pickle.dumps(plan))):
+        assert back == plan and back.num_batched_tokens == 4
+        assert back.new_requests[0].params == params
     result = StepResult({"a": [5], "b": [7, 8, 6]}, {"a": [TokenLogprobs(-0.5, {5: -0.5, 6: -1.5})]})
-    assert pickle.loads(pickle.dumps(result)) == result
+    assert decode_result(encode(result)) == result == pickle.loads(pickle.dumps(result))
 
 
 def _request(rid: str, n: int, priority: int = 0, arrival: float = 1.0) -> Request:
@@ -107,9 +113,9 @@ def test_a_request_is_sent_once_then_only_its_changes():
     )
     second = _step(sched)  # the last 2 prompt tokens and a first output
     assert not second.new_requests
-    assert second.running == [RunningRequest("a", [sched.kv.block_ids("a")[2]], 8)]
+    assert second.running == RunningRequests(["a"], [[sched.kv.block_ids("a")[2]]], [8])
     third = _step(sched)  # a decode inside block 2: nothing new but the count
-    assert third.running == [RunningRequest("a", [], 10)] and third.num_scheduled_tokens == {"a": 1}
+    assert third.running == RunningRequests(["a"], [[]], [10]) and third.num_scheduled_tokens == {"a": 1}
 
 
 def test_preempted_request_comes_back_whole_and_finished_ones_are_named():

@@ -296,7 +296,7 @@ class Engine:
         )
         for row, request in enumerate(constrained):
             request.grammar.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
-        sched.plan.grammar_bitmask = bitmask.numpy()
+        sched.plan.grammar_bitmask = bitmask.numpy().tobytes()
         sched.plan.grammar_request_ids = [r.request_id for r in constrained]
 
     def _account_busy(self, seconds: float, prefill_tokens: int, total_tokens: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.waiting_queue import WaitingQueue
-from dolmus.step import NewRequest, RunningRequest, StepPlan, StepResult
+from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Scheduler:
                     )
                 )
             else:
-                plan.running.append(RunningRequest(rid, blocks[sent:], r.num_computed_tokens))
+                plan.running.append(rid, blocks[sent:], r.num_computed_tokens)
             self._sent_blocks[rid] = len(blocks)
             plan.num_scheduled_tokens[rid] = item.num_new_tokens
         return plan

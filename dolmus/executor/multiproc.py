@@ -1,6 +1,6 @@
 """Worker processes, one per rank, fed each step's plan by broadcast; rank 0 returns results.
 
-Plans go out as one pickled message per rank over ZeroMQ (ipc sockets in a private folder);
+Plans go out as one msgpack message per rank over ZeroMQ (ipc sockets in a private folder);
 results come back from rank 0 only, as every rank computes the same step. A monitor thread
 watches the workers' process sentinels: a worker that dies turns the next (or the pending)
 step into a WorkerDiedError naming it, never a hang. Workers join a torch.distributed
@@ -26,7 +26,7 @@ import zmq
 from dolmus.executor.base import Executor, RunnerInfo, WorkerDiedError
 from dolmus.executor.worker import worker_main
 from dolmus.runtime.model_runner import RunnerSpec
-from dolmus.step import StepPlan, StepResult
+from dolmus.step import StepPlan, StepResult, decode_result, encode
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class MultiprocExecutor(Executor):
         self._closing = True
         for sock in self._plans:
             try:
-                sock.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
+                sock.send_multipart((b"stop", b""), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for proc in self._procs:
@@ -124,32 +124,35 @@ class MultiprocExecutor(Executor):
 
     # -- steps --------------------------------------------------------------------------
 
-    def _broadcast(self, message: tuple[Any, ...]) -> None:
+    def _broadcast(self, kind: bytes, payload: bytes) -> None:
         self.check_health()
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._plans:
-            sock.send(data, copy=False)
+            sock.send_multipart((kind, payload), copy=False)
 
-    def _receive(self, timeout_s: float | None = None) -> tuple[Any, ...]:
+    def _receive_frames(self, timeout_s: float | None = None) -> list[bytes]:
         waited = 0.0
         while not self._results.poll(_POLL_MS):
             self.check_health()
             waited += _POLL_MS / 1000
             if timeout_s is not None and waited > timeout_s:
                 raise WorkerDiedError(f"no answer from the workers in {timeout_s:.0f} s")
-        return pickle.loads(self._results.recv())
+        return self._results.recv_multipart()
 
-    def _call(self, message: tuple[Any, ...]) -> Any:
-        self._broadcast(message)
-        kind, payload = self._receive()
-        if kind == "failed":
-            raise RuntimeError(f"worker rank 0 failed the step:\n{payload}")
+    def _receive(self, timeout_s: float | None = None) -> tuple[Any, ...]:
+        return pickle.loads(self._receive_frames(timeout_s)[1])
+
+    def _answer(self) -> bytes:
+        kind, payload = self._receive_frames()
+        if kind == b"failed":
+            raise RuntimeError(f"worker rank 0 failed the step:\n{payload.decode()}")
         return payload
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self._call(("step", plan))
+        self._broadcast(b"step", encode(plan))
+        return decode_result(self._answer())
 
     def prompt_logits(
         self, token_ids: list[int], num_computed: int, num_new: int, block_ids: list[int]
     ) -> torch.Tensor:
-        return self._call(("score", token_ids, num_computed, num_new, block_ids))
+        self._broadcast(b"score", pickle.dumps((token_ids, num_computed, num_new, block_ids)))
+        return pickle.loads(self._answer())

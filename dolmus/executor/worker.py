@@ -14,6 +14,7 @@ import zmq
 
 from dolmus.executor.base import RunnerInfo
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
+from dolmus.step import decode_plan, encode
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,26 +47,25 @@ def worker_main(
             )
         runner = ModelRunner.from_spec(spec.for_rank(rank))
     except Exception as exc:  # reported to the engine, which raises it with this message
-        results.send(pickle.dumps(("error", rank, str(exc))))
+        results.send_multipart((b"error", pickle.dumps(("error", rank, str(exc)))))
         return
     info = RunnerInfo(runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token)
-    results.send(pickle.dumps(("ready", rank, info)))
+    results.send_multipart((b"ready", pickle.dumps(("ready", rank, info))))
     while True:
-        message = pickle.loads(plans.recv())
-        kind = message[0]
-        if kind == "stop":
+        kind, payload = plans.recv_multipart()
+        if kind == b"stop":
             break
         try:
-            if kind == "step":
-                out = runner.execute(message[1])
-            else:  # "score"
-                out = runner.prompt_logits(*message[1:])
+            if kind == b"step":
+                answer = encode(runner.execute(decode_plan(payload)))
+            else:  # b"score"
+                answer = pickle.dumps(runner.prompt_logits(*pickle.loads(payload)))
         except Exception:
             if rank == 0:
-                results.send(pickle.dumps(("failed", traceback.format_exc())))
+                results.send_multipart((b"failed", traceback.format_exc().encode()))
             continue
         if rank == 0:
-            results.send(pickle.dumps(("result", out), protocol=pickle.HIGHEST_PROTOCOL))
+            results.send_multipart((b"result", answer), copy=False)
     plans.close(linger=0)
     results.close(linger=1000)
     ctx.term()

@@ -213,10 +213,13 @@ class ModelRunner:
             self._drop(rid)
         for new in plan.new_requests:
             self._add(new)
-        for diff in plan.running:
-            seq = self.sequences[diff.request_id]
-            self._append_blocks(seq, diff.new_block_ids)
-            seq.num_computed_tokens = diff.num_computed_tokens
+        running = plan.running
+        for rid, blocks, computed in zip(
+            running.request_ids, running.new_block_ids, running.num_computed_tokens
+        ):
+            seq = self.sequences[rid]
+            self._append_blocks(seq, blocks)
+            seq.num_computed_tokens = computed
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.sequences:
@@ -278,7 +281,10 @@ class ModelRunner:
             return StepResult()
         index = torch.tensor(sample_index, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        bitmask = None if plan.grammar_bitmask is None else torch.from_numpy(plan.grammar_bitmask)
+        bitmask = None
+        if plan.grammar_bitmask is not None:
+            words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32)
+            bitmask = words.view(len(plan.grammar_request_ids), -1)
         result = StepResult()
         for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
             self.sequences[rid].token_ids.append(sampled.token_id)
