@@ -244,6 +244,7 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
         ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": 129}, "n"),  # over --max-n (128)
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"prompt": "hi", "logprobs": 50}, "logprobs"),
@@ -263,6 +264,10 @@ def test_bad_chat_fields_are_400(server: RemoteServer) -> None:
     _assert_error(httpx.post(url, json={"messages": []}), 400)
     _assert_error(httpx.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
     _assert_error(httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": -1}), 400)
+    err = _assert_error(
+        httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": 10**6}), 400
+    )
+    assert err["param"] == "n" and "at most 128" in err["message"]
     err = _assert_error(httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 3000}]}), 400)
     assert err["code"] == "context_length_exceeded"
 

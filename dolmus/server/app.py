@@ -65,7 +65,11 @@ class ServerState:
         self.metrics = metrics
         self.engine = async_engine
         self.serving = OpenAIServing(
-            async_engine, self.model_name, self.chat_template, self.server_config.max_waiting
+            async_engine,
+            self.model_name,
+            self.chat_template,
+            self.server_config.max_waiting,
+            self.server_config.max_n,
         )
         logger.info("model %s loaded; serving", self.model_name)
 
