@@ -26,7 +26,15 @@ from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.errors import APIError, error_body
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
-from dolmus.server.tools import TOOL_CALL_OPEN, ToolPlan, extract_calls, held_back, plan_tools, tool_call
+from dolmus.server.tools import (
+    TOOL_CALL_OPEN,
+    ToolPlan,
+    extract_calls,
+    held_back,
+    plan_tools,
+    tool_call,
+    tool_finish,
+)
 from dolmus.structured.spec import StructuredOutput
 
 _DISCONNECT_POLL_S = 0.2
@@ -343,7 +351,7 @@ class OpenAIServing:
                 message["content"], calls = extract_calls(plan, c.text)
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls"
+                finish = tool_finish(finish, calls)
             choices.append(
                 {
                     "index": c.index,
@@ -631,7 +639,7 @@ class _ToolStream:
                 out.append({"tool_calls": [{"index": 0, **self.call}]})
             if delta:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
-            return out, "tool_calls" if finish else None
+            return out, tool_finish(finish, [self.call]) if finish else None
         if self.plan.mode == "auto" and not self.in_call:
             at = self.text.find(TOOL_CALL_OPEN, self.streamed)
             self.in_call = at >= 0
@@ -646,7 +654,7 @@ class _ToolStream:
             rest = self.text[self.streamed :]
             return out + ([{"content": rest}] if rest else []), finish
         out += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
-        return out, "tool_calls"
+        return out, tool_finish(finish, calls)
 
 
 def _from_response_format(rf: ResponseFormat) -> StructuredOutput:
