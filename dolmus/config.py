@@ -296,6 +296,7 @@ class ServerConfig:
     api_key: str | None = None  # also read from DOLMUS_API_KEY
     chat_template: str | None = None  # a jinja2 file, or the template itself
     max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
+    max_n: int = 128  # most samples (`n`) one request may ask for, as OpenAI's limit
     max_body_bytes: int = 32 << 20  # 413 above this
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
@@ -309,6 +310,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout < 0:

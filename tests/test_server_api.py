@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -244,6 +246,7 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
         ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": 129}, "n"),  # over --max-n (128)
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"prompt": "hi", "logprobs": 50}, "logprobs"),
@@ -263,6 +266,10 @@ def test_bad_chat_fields_are_400(server: RemoteServer) -> None:
     _assert_error(httpx.post(url, json={"messages": []}), 400)
     _assert_error(httpx.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
     _assert_error(httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": -1}), 400)
+    err = _assert_error(
+        httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": 10**6}), 400
+    )
+    assert err["param"] == "n" and "at most 128" in err["message"]
     err = _assert_error(httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 3000}]}), 400)
     assert err["code"] == "context_length_exceeded"
 
@@ -291,3 +298,77 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
 def test_server_survives_bad_requests(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason == "length"
+
+
+LONE = "\ud800"  # valid JSON as the escape "\ud800", but no Unicode text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "where"),
+    [
+        ("/v1/completions", {"prompt": f"Once {LONE}"}, "prompt", None),
+        ("/v1/completions", {"prompt": ["ok", LONE]}, "prompt", "prompt[1]"),
+        ("/v1/completions", {"prompt": "hi", "stop": [LONE]}, "stop", "stop[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, "messages", None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+            "messages",
+            "messages[0].content[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stop": LONE},
+            "stop",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": f"get_{LONE}"}}],
+            },
+            "tools",
+            "tools[0].function.name",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {LONE: 1}}}],
+            },
+            "tools",
+            "tools[0].function.parameters.\\ud800",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "function": {"name": "f", "arguments": f'{{"a": "{LONE}"}}'}}
+                        ],
+                    },
+                ],
+            },
+            "messages",
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ("/tokenize", {"prompt": LONE}, "prompt", None),
+        ("/tokenize", {"messages": [{"role": "user", "content": f"a{LONE}"}]}, "messages", None),
+    ],
+)
+def test_lone_surrogates_are_400(
+    server: RemoteServer, path: str, body: dict, param: str, where: str | None
+) -> None:
+    raw = json.dumps(body)  # escapes the surrogate as \ud800 (httpx's json= could not encode it)
+    assert "\\ud800" in raw
+    r = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+    err = _assert_error(r, 400)
+    assert err["param"] == param and "lone surrogate (\\ud800)" in err["message"]
+    if where is not None:
+        assert f"at {where}," in err["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+    assert ok.status_code == 200  # the engine is unharmed

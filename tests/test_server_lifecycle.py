@@ -15,6 +15,7 @@ from server_helpers import RemoteServer
 
 from dolmus.config import EngineConfig, ServerConfig
 from dolmus.server.app import build_app
+from dolmus.server.launcher import SHUTDOWN_GRACE_S
 
 MODEL = "stories260k"
 
@@ -138,3 +139,51 @@ def test_sigterm_drains_then_exits_0(tmp_path) -> None:
     assert elapsed < drain + 10
     assert "length" in outcomes  # in flight at SIGTERM and finished during the drain
     assert "cut" in outcomes  # still queued when the drain timed out
+
+
+def test_sigterm_exits_by_the_deadline_however_busy(tmp_path) -> None:
+    # 64 long streams on 256 seats and a backlog of ~300k queued samples: stopping the engine
+    # (abort them all, then join its thread) takes longer than drain and grace together.
+    drain = 1.0
+    server = RemoteServer("--max-num-seqs", "256", "--drain-timeout", str(drain), log=tmp_path / "server.log")
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        try:
+            for _ in client.completions.create(
+                model=MODEL,
+                prompt="Once upon a time",
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                first_chunk.set()
+        except Exception:  # cut at shutdown
+            pass
+
+    def backlog() -> None:  # 100 prompts x n=128: as much as one request may ask of the KV cache
+        try:
+            httpx.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": ["Once"] * 100, "n": 128, "max_tokens": 16, "ignore_eos": True},
+                timeout=120,
+            )
+        except httpx.HTTPError:  # cut at shutdown
+            pass
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(64)]
+    threads += [threading.Thread(target=backlog, daemon=True) for _ in range(24)]
+    try:
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(60)
+        deadline = time.monotonic() + 120
+        while server.metrics().get("dolmus:num_requests_waiting", 0) < 250_000:
+            assert time.monotonic() < deadline, "the backlog did not build up"
+            time.sleep(0.5)
+        server.terminate()
+        status = server.proc.wait(timeout=drain + SHUTDOWN_GRACE_S + 2)  # 2 s for a busy CPU
+    finally:
+        server.stop()
+    assert status == 0

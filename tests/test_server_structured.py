@@ -163,6 +163,53 @@ def test_required_tool_call(client: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(arguments), WEATHER if name == "get_weather" else TIME)
 
 
+def _required_calls(client: openai.OpenAI, max_tokens: int, stream: bool) -> tuple[str, str | None, list]:
+    """(finish_reason, content, [(name, arguments)]) of a greedy tool_choice="required" reply."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    if not stream:
+        choice = client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.finish_reason, choice.message.content, calls
+    finish, content, by_index = None, "", {}
+    for chunk in client.chat.completions.create(max_tokens=max_tokens, stream=True, **kwargs):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                entry = by_index.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+    return finish, content or None, [tuple(v) for v in by_index.values()]
+
+
+def test_required_tool_calls_cut_by_max_tokens(client: openai.OpenAI) -> None:
+    # stories260k goes on adding calls to the array until max_tokens cuts it: the calls
+    # finished before the cut come back, the cut one is dropped, and finish_reason says "length".
+    _, _, reference = _required_calls(client, 300, stream=False)
+    assert len(reference) >= 3
+    for max_tokens in (10, 100, 200):
+        finish, content, calls = _required_calls(client, max_tokens, stream=False)
+        assert finish == "length"
+        assert calls == reference[: len(calls)]  # greedy: the same calls, as far as they got
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), WEATHER if name == "get_weather" else TIME)
+        if max_tokens == 10:  # not one call finished: the text comes back as it is
+            assert calls == [] and content.startswith('[{"name"')
+        else:
+            assert 1 <= len(calls) < len(reference) and content is None
+        assert _required_calls(client, max_tokens, stream=True) == (finish, content, calls)
+
+    # a named function's cut arguments come back as far as they got, also with "length"
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=5, temperature=0)
+    r = client.chat.completions.create(**kwargs).choices[0]
+    assert r.finish_reason == "length" and [c.function.name for c in r.message.tool_calls] == ["get_weather"]
+    finishes = [
+        c.finish_reason for ch in client.chat.completions.create(stream=True, **kwargs) for c in ch.choices
+    ]
+    assert [f for f in finishes if f] == ["length"]
+
+
 def test_invalid_constraints_are_400_and_harmless(server: RemoteServer, client: openai.OpenAI) -> None:
     url = f"{server.base_url}/chat/completions"
     cases = [

@@ -74,7 +74,11 @@ class ServerState:
         self.metrics = metrics
         self.engine = engine
         self.serving = OpenAIServing(
-            engine, self.model_name, self.chat_template, self.server_config.max_waiting
+            engine,
+            self.model_name,
+            self.chat_template,
+            self.server_config.max_waiting,
+            self.server_config.max_n,
         )
         logger.info(
             "model %s loaded; serving (engine core: %s)", self.model_name, self.server_config.engine_core

@@ -3,12 +3,21 @@
 On SIGTERM (or Ctrl+C) uvicorn stops accepting connections, lets in-flight requests
 finish for up to --drain-timeout seconds, cancels what is left (which aborts those
 requests in the engine), stops the engine and returns; the process exits 0.
+
+Stopping the engine waits for its step thread, which finishes the step it is in and then
+aborts everything still queued: with a huge backlog that can take minutes. So the first
+signal also arms a hard deadline, drain timeout plus SHUTDOWN_GRACE_S, after which the
+process logs why and exits 0 at once, whatever the engine thread is doing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+import threading
+from types import FrameType
 
 import uvicorn
 
@@ -16,6 +25,34 @@ from dolmus.config import EngineConfig, ServerConfig
 from dolmus.server.app import build_app
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # after the drain, for cancelled requests to abort and the engine to stop
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a deadline on shutdown that nothing can hold up."""
+
+    def __init__(self, config: uvicorn.Config, deadline_s: float) -> None:
+        super().__init__(config)
+        self._deadline_s = deadline_s
+        self._deadline: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._deadline is None:
+            self._deadline = threading.Timer(self._deadline_s, _exit_now, (self._deadline_s,))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+
+def _exit_now(deadline_s: float) -> None:
+    logger.warning(
+        "shutdown still not done %.0f s after the signal (the engine is busy): exiting now", deadline_s
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
@@ -29,7 +66,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         timeout_graceful_shutdown=server_config.drain_timeout,
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, server_config.drain_timeout + SHUTDOWN_GRACE_S)
     failed = False
 
     def stop_on_load_failure() -> None:

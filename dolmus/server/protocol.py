@@ -7,15 +7,34 @@ use (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, p
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text: the
+        tokenizer cannot take it and no response holding it can be encoded, so refuse it here."""
+        found = _lone_surrogate(value)
+        if found is None:
+            return value
+        path, char = found
+        where = f" at {info.field_name}{path}" if path else ""
+        raise PydanticCustomError(
+            "lone_surrogate",
+            "contains a lone surrogate ({char}){where}, which is not valid Unicode text; send UTF-8 "
+            "(a character outside the BMP escapes as a surrogate pair)",
+            {"char": f"\\u{ord(char):04x}", "where": where},
+        )
 
 
 class StreamOptions(_Body):
@@ -102,3 +121,32 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """(path inside `value`, the character) of the first lone surrogate, or None."""
+    try:  # the common case, at C speed: nothing to find
+        json.dumps(value, ensure_ascii=False, default=lambda _: None).encode()
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError as exc:
+                return path, item[exc.start]
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                name = f"{path}.{_printable(key)}"
+                stack += [(name, child), (name, key)]
+        elif isinstance(item, list | tuple):
+            stack += [(f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item)))]
+    return None
+
+
+def _printable(key: Any) -> str:
+    """A dict key as it may appear in an error message (which must itself encode as UTF-8)."""
+    return str(key).encode("utf-8", "backslashreplace").decode()

@@ -19,13 +19,22 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dolmus.config import ServerConfig
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.errors import APIError, error_body
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
-from dolmus.server.tools import TOOL_CALL_OPEN, ToolPlan, extract_calls, held_back, plan_tools, tool_call
+from dolmus.server.tools import (
+    TOOL_CALL_OPEN,
+    ToolPlan,
+    extract_calls,
+    held_back,
+    plan_tools,
+    tool_call,
+    tool_finish,
+)
 from dolmus.structured.spec import StructuredOutput
 
 _DISCONNECT_POLL_S = 0.2
@@ -49,11 +58,13 @@ class OpenAIServing:
         model_name: str,
         chat_template: str | None = None,
         max_waiting: int | None = None,
+        max_n: int = ServerConfig.max_n,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
         self.max_waiting = max_waiting
+        self.max_n = max_n
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
@@ -96,6 +107,32 @@ class OpenAIServing:
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested "
                 f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} for the output)",
                 param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_n(self, n: int) -> None:
+        """Each sample is a sequence in the engine: an unbounded n would queue millions of them."""
+        if n > self.max_n:
+            raise APIError(400, f"n must be at most {self.max_n} (--max-n), got {n}", param="n")
+
+    def _check_kv_demand(self, prompts: list[list[int]], n: int, max_tokens: int | None) -> None:
+        """Refuse a request whose samples together need more KV than the whole cache holds.
+
+        Such a request could never run all its samples at once: they would preempt each other
+        (and everyone else) for as long as it lasts. Every prompt's choices count, and without
+        max_tokens a sample may grow to the full context.
+        """
+        capacity = self.engine.stats.kv_capacity_tokens
+        per_sample = [self.max_model_len if max_tokens is None else len(ids) + max_tokens for ids in prompts]
+        demand = n * sum(per_sample)
+        if demand > capacity:
+            prompt_word = "prompt" if len(prompts) == 1 else f"prompt, for each of {len(prompts)} prompts"
+            raise APIError(
+                400,
+                f"this request needs KV cache for {demand} tokens (n={n} x (tokens of the {prompt_word}"
+                f" + max_tokens)), more than the {capacity} tokens the server's KV cache holds; "
+                "lower n or max_tokens",
+                param="n",
                 code="context_length_exceeded",
             )
 
@@ -154,6 +191,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, priority: int, raw: Request) -> Any:
         self.check_model(body.model)
+        self._check_n(body.n)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         structured = await self._structured(body)
@@ -161,6 +199,7 @@ class OpenAIServing:
         texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
             self._check_length(ids, body.max_tokens, "max_tokens")
+        self._check_kv_demand(prompts, body.n, body.max_tokens)
         self._check_room(len(prompts) * body.n)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, priority)
         echo = texts if body.echo else None
@@ -282,6 +321,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, priority: int, raw: Request) -> Any:
         self.check_model(body.model)
+        self._check_n(body.n)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         structured = await self._structured(body, plan.structured if plan else None)
         if body.top_logprobs is not None and not body.logprobs:
@@ -294,6 +334,7 @@ class OpenAIServing:
         self._check_length(
             ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
+        self._check_kv_demand([ids], body.n, max_tokens)
         self._check_room(body.n)
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority)
         if body.stream:
@@ -310,7 +351,7 @@ class OpenAIServing:
                 message["content"], calls = extract_calls(plan, c.text)
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls"
+                finish = tool_finish(finish, calls)
             choices.append(
                 {
                     "index": c.index,
@@ -598,7 +639,7 @@ class _ToolStream:
                 out.append({"tool_calls": [{"index": 0, **self.call}]})
             if delta:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
-            return out, "tool_calls" if finish else None
+            return out, tool_finish(finish, [self.call]) if finish else None
         if self.plan.mode == "auto" and not self.in_call:
             at = self.text.find(TOOL_CALL_OPEN, self.streamed)
             self.in_call = at >= 0
@@ -613,7 +654,7 @@ class _ToolStream:
             rest = self.text[self.streamed :]
             return out + ([{"content": rest}] if rest else []), finish
         out += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
-        return out, "tool_calls"
+        return out, tool_finish(finish, calls)
 
 
 def _from_response_format(rf: ResponseFormat) -> StructuredOutput:

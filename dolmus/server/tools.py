@@ -9,6 +9,9 @@ and turning the generated text back into OpenAI `tool_calls`.
   `parallel_tool_calls: false`).
 - "auto" (the default when tools are given): unconstrained; calls are parsed from the
   Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+
+Output cut by max_tokens keeps finish_reason "length"; a cut "required" array still yields
+the calls finished before the cut.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dolmus.structured.spec import StructuredOutput
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass
@@ -98,8 +102,10 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
     if plan.mode == "required":
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut off by max_tokens: give back the text as it is
+        except json.JSONDecodeError:  # cut off by max_tokens
+            items = _complete_items(text)
+            if not items:
+                return text, []  # not one call finished: give back the text as it is
         return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
     if plan.mode == "auto":
         calls = []
@@ -115,6 +121,37 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
             content = _TOOL_CALL.sub("", text).strip()
             return content or None, calls
     return text, []
+
+
+def tool_finish(finish: str | None, calls: list[dict[str, Any]]) -> str | None:
+    """The choice's finish_reason: "tool_calls" once the model has made its calls, but "length"
+    stays when max_tokens cut the output, so a client knows more calls (or arguments) may be
+    missing."""
+    return "tool_calls" if calls and finish != "length" else finish
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The {"name", "arguments"} objects of a JSON array cut off anywhere, up to the first
+    incomplete one (the grammar made the text a prefix of a valid array)."""
+    text = text.lstrip()
+    if not text.startswith("["):
+        return []
+    decoder = json.JSONDecoder()
+    items: list[dict[str, Any]] = []
+    at = _SPACE.match(text, 1).end()
+    while at < len(text):
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        if not (isinstance(item, dict) and "name" in item and "arguments" in item):
+            break
+        items.append(item)
+        at = _SPACE.match(text, at).end()
+        if not text.startswith(",", at):
+            break
+        at = _SPACE.match(text, at + 1).end()
+    return items
 
 
 def held_back(text: str) -> int:
