@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family: Llama 2/3 and Mistral here; Qwen2 and Qwen3 (qwen2.py, qwen3.py) run
+on the same class, switched by `ModelConfig` (attention bias, q/k RMSNorm).
 
 The model sees a flat batch of tokens with positions and attention metadata; it knows
 nothing of requests. Parameter names mirror the Hugging Face checkpoints, except that
@@ -13,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dolmus.config import ModelConfig
+from dolmus.config import ModelConfig, parse_common_fields
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
+from dolmus.runtime.models.registry import register_architecture
 from dolmus.runtime.native import ops as native_ops
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -205,3 +207,21 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+
+
+# Mistral's config differs from Llama's only in a sliding window, which the shared fields read.
+# llama.cpp stores both with the q/k rotary halves interleaved.
+register_architecture(
+    "LlamaForCausalLM",
+    parse=parse_common_fields,
+    model_cls=LlamaForCausalLM,
+    gguf_type="llama",
+    gguf_interleaved_qk=True,
+)
+register_architecture(
+    "MistralForCausalLM",
+    parse=parse_common_fields,
+    model_cls=LlamaForCausalLM,
+    gguf_type="mistral",
+    gguf_interleaved_qk=True,
+)
