@@ -3,10 +3,9 @@
 The checkpoint's `quantization_config` names the format. Each quantized layer arrives as
 `qweight`/`qzeros`/`scales` (plus `g_idx` for GPTQ) and is unpacked here into `Int4Codes`:
 the layer's own 4-bit codes with a scale and zero per group, which a bf16 CPU layer runs
-as stored on our int4 kernel (weight_only.adopt_checkpoint_codes). Where that kernel cannot
-take them (no kernel here, fp32 runs, an act-order GPTQ whose `g_idx` scatters the groups)
-the layer gets the float weight the codes stand for, dequantized on load. Formats, as
-published:
+as stored on our int4 kernel (prequantized.py). Where that kernel cannot take them (no
+kernel here, fp32 runs, an act-order GPTQ whose `g_idx` scatters the groups) the layer
+gets the float weight the codes stand for, dequantized on load. Formats, as published:
 
 - GPTQ: `qweight` int32 [K/8, N], eight 4-bit codes per int32 along the input dimension,
   low bits first; `qzeros` int32 [groups, N/8] along the output dimension, stored minus one

@@ -13,10 +13,11 @@ from torch import nn
 
 from dolmus.config import ModelConfig
 from dolmus.quant.checkpoint import checkpoint_format, unpack_stream
-from dolmus.quant.weight_only import module_bytes
+from dolmus.quant.prequantized import PrequantizedMethod
 from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
-from dolmus.runtime.layers.linear import LinearMethod
+from dolmus.runtime.layers.linear import Linear, module_bytes
+from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,8 @@ def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[st
 def _log_checkpoint_layers(method: str, model: nn.Module) -> None:
     counts: dict[str, int] = {}
     for m in model.modules():
-        layout = getattr(m, "checkpoint_layout", None)
-        if layout:
-            counts[layout] = counts.get(layout, 0) + 1
+        if isinstance(m, Linear) and m.checkpoint_layout:
+            counts[m.checkpoint_layout] = counts.get(m.checkpoint_layout, 0) + 1
     logger.info(
         "%s checkpoint: %d 4-bit layers run as stored on the int4 kernel, %d dequantized on load%s",
         method.upper(),
@@ -86,13 +86,16 @@ def load_model(
     max_len: int,
     progress: bool = False,
 ) -> nn.Module:
-    if is_gguf(folder):
+    gguf = is_gguf(folder)
+    if gguf:
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
     else:
         weights = iter_weights(safetensors_files(folder), progress)
     fmt = checkpoint_format(cfg.quantization_config)
     if fmt is not None:
         weights = unpack_stream(fmt, weights)
+    if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
+        method = PrequantizedMethod(method)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
     model.load_weights(weights)

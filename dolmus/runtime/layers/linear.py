@@ -1,75 +1,17 @@
-"""Linear layers that own their weight loading and their compute method.
+"""Linear layers that own their weight loading; a `LinearMethod` owns their compute.
 
 A model names its projections once; the layer knows how a checkpoint's separate q/k/v or
-gate/up tensors land in its fused weight (`weight_loader`), and a `LinearMethod` decides
-how the weight is stored and multiplied. Quantized formats plug in as further methods, so
-every model gets every format without model changes.
+gate/up tensors land in its fused weight (`weight_loader`), and its method decides how the
+weight is stored and multiplied (linear_method.py: the contract). Quantized formats plug in
+as further methods, so every model gets every format without model changes.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dolmus.quant.checkpoint import Int4Codes
-
-
-class LinearMethod(ABC):
-    """How a linear layer's weight is created, post-processed after loading, and applied."""
-
-    @abstractmethod
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        """Turn loaded weights into their compute layout (packing, quantizing)."""
-
-    @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
-
-    def head_method(self) -> LinearMethod:
-        """The method for the LM head (a format may keep it at higher precision)."""
-        return self
-
-
-class UnquantizedLinearMethod(LinearMethod):
-    """Plain weights. On CPU in bf16, prepacks them for oneDNN.
-
-    PyTorch's default bf16 GEMV streams weights at about half the memory bandwidth here;
-    oneDNN's prepacked (blocked) layout reaches ~1.5-1.8x that at batch 1 and is no slower
-    at large batches (measured: benchmarks/offline_throughput.py runs with it on).
-    """
-
-    def __init__(self, prepack: bool = True) -> None:
-        self.prepack = prepack
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(
-            torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
-        )
-        layer.bias = (
-            nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
-            if layer.has_bias
-            else None
-        )
-        layer.packed_weight = None
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        w = layer.weight
-        if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
-            return
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        if not layer.weight_shared:  # the packed copy is the only one needed from now on
-            layer.weight.data = torch.empty(0, dtype=w.dtype)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
-        return F.linear(x, layer.weight, layer.bias)
+from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
 
 
 class Linear(nn.Module):
@@ -99,15 +41,18 @@ class Linear(nn.Module):
         self.out_features = offset
         self.has_bias = bias
         self.weight_shared = False  # set when another module owns the same storage (tied head)
-        self.checkpoint_codes: dict[str | None, Int4Codes] = {}  # GPTQ/AWQ shards, as stored
+        # Where a pre-quantized checkpoint's codes went: "int4 kernel" (run as stored) or
+        # "dequantized" (to a float weight on load); None for a float checkpoint's layer.
+        self.checkpoint_layout: str | None = None
         self.method = method
+        self.method_state: LinearState | None = None  # the method's typed per-layer storage
         method.create_weights(self, dtype)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor | Int4Codes, shard: str | None = None
+        self, param: nn.Parameter, loaded: torch.Tensor | StoredWeight, shard: str | None = None
     ) -> None:
         start, size = self.shard_offsets[shard]
         target = param.data.narrow(0, start, size)
@@ -116,17 +61,9 @@ class Linear(nn.Module):
                 f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)} "
                 f"(shard {shard!r} of a {self.out_features}x{self.in_features} layer)"
             )
-        if isinstance(loaded, Int4Codes):
-            self.checkpoint_codes[shard] = loaded  # placed once every shard is in
-            return
-        target.copy_(loaded)
+        self.method.load_weight(self, shard, target, loaded)
 
     def process_weights_after_loading(self) -> None:
-        if self.checkpoint_codes:
-            from dolmus.quant.weight_only import adopt_checkpoint_codes
-
-            if adopt_checkpoint_codes(self):
-                return
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,16 +77,10 @@ def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = No
     param.data.copy_(loaded)
 
 
-def make_linear_method(
-    prepack: bool,
-    quantization: str | None = None,
-    group_size: int = 32,
-    symmetric: bool = False,
-    head: str = "int8",
-    native_kernels: bool = True,
-) -> LinearMethod:
-    if quantization is None:
-        return UnquantizedLinearMethod(prepack=prepack)
-    from dolmus.quant.weight_only import make_quant_method
-
-    return make_quant_method(quantization, group_size, symmetric, head, native_kernels)
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of weights as stored for compute: parameters, buffers and the linear layers' states."""
+    total = tensor_bytes(*model.parameters(), *model.buffers())
+    for m in model.modules():
+        if isinstance(m, Linear) and m.method_state is not None:
+            total += m.method_state.nbytes()
+    return total

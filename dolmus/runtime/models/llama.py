@@ -17,7 +17,8 @@ from torch import nn
 from dolmus.config import ModelConfig, parse_common_fields
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
+from dolmus.runtime.layers.linear import Linear, load_plain
+from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.models.registry import register_architecture
