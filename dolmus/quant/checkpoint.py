@@ -46,6 +46,23 @@ class Int4Codes:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    def narrow(self, dim: int, start: int, length: int) -> Int4Codes:
+        """A tensor-parallel rank's slice: output rows take their groups' scales and zeros
+        along; a slice of the inputs must hold whole groups, unless `g_idx` maps each input."""
+        if dim == 0:
+            rows = (t.narrow(0, start, length) for t in (self.codes, self.zeros, self.scale))
+            return Int4Codes(*rows, self.group, self.g_idx)
+        codes = self.codes.narrow(1, start, length)
+        if self.g_idx is not None:
+            return Int4Codes(codes, self.zeros, self.scale, self.group, self.g_idx.narrow(0, start, length))
+        if start % self.group or length % self.group:
+            raise ValueError(
+                f"inputs {start}..{start + length} of a 4-bit weight cut its groups of {self.group}"
+            )
+        first, count = start // self.group, length // self.group
+        zeros, scale = (t.narrow(1, first, count) for t in (self.zeros, self.scale))
+        return Int4Codes(codes, zeros, scale, self.group)
+
     def dequantize(self) -> torch.Tensor:
         if self.g_idx is not None:
             return (self.codes.float() - self.zeros[:, self.g_idx]) * self.scale[:, self.g_idx]

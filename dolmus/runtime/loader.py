@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dolmus.config import ModelConfig
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.quant.checkpoint import checkpoint_format, unpack_stream
 from dolmus.quant.prequantized import PrequantizedMethod
 from dolmus.runtime.attention import AttentionBackend
@@ -85,7 +86,9 @@ def load_model(
     backend: AttentionBackend,
     max_len: int,
     progress: bool = False,
+    parallel: ParallelConfig = SINGLE_RANK,
 ) -> nn.Module:
+    """Build the architecture's model for this tensor-parallel rank and fill it from `folder`."""
     gguf = is_gguf(folder)
     if gguf:
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
@@ -97,7 +100,7 @@ def load_model(
     if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
         method = PrequantizedMethod(method)
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
+        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel)
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()

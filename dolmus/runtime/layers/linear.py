@@ -1,24 +1,40 @@
 """Linear layers that own their weight loading; a `LinearMethod` owns their compute.
 
 A model names its projections once; the layer knows how a checkpoint's separate q/k/v or
-gate/up tensors land in its fused weight (`weight_loader`), and its method decides how the
-weight is stored and multiplied (linear_method.py: the contract). Quantized formats plug in
-as further methods, so every model gets every format without model changes.
+gate/up tensors land in its fused weight and which slice of them its tensor-parallel rank
+holds (`weight_loader`), and its method decides how the weight is stored and multiplied
+(linear_method.py: the contract). Quantized formats plug in as further methods, so every
+model gets every format and every parallel layout without model changes.
 """
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 from torch import nn
 
+from dolmus.distributed.collectives import tensor_parallel_all_reduce
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
+
+
+class ParallelStyle(Enum):
+    """How a layer's weight splits over tensor-parallel ranks."""
+
+    REPLICATED = "replicated"  # every rank holds all of it
+    COLUMN = "column"  # output features split: each rank computes its share of the outputs
+    ROW = "row"  # input features split: each rank computes a partial sum, then all-reduce
 
 
 class Linear(nn.Module):
     """y = x W^T + b, where W may be several checkpoint tensors stacked along the output.
 
     `shard_sizes` names the stacked parts (e.g. {"q": 896, "k": 128, "v": 128}); a plain
-    layer has the single part None.
+    layer has the single part None. Sizes are the checkpoint's: a column-parallel layer
+    holds this rank's share of each part (a fused q/k/v its share of the q, k and v heads),
+    a row-parallel one its share of the inputs, and `in_features`, `out_features` and
+    `shard_offsets` describe what the rank holds.
     """
 
     def __init__(
@@ -28,14 +44,22 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         method: LinearMethod,
+        *,
+        style: ParallelStyle = ParallelStyle.REPLICATED,
+        parallel: ParallelConfig = SINGLE_RANK,
     ) -> None:
         super().__init__()
         if isinstance(shard_sizes, int):
             shard_sizes = {None: shard_sizes}
-        self.in_features = in_features
+        self.style, self.parallel = style, parallel
+        self.reduce_output = style is ParallelStyle.ROW and parallel.tp_size > 1
+        row, column = style is ParallelStyle.ROW, style is ParallelStyle.COLUMN
+        self.in_features = parallel.split(in_features, "input features")[1] if row else in_features
         self.shard_offsets: dict[str | None, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
+            if column:
+                size = parallel.split(size, "output features" + (f" of part {name!r}" if name else ""))[1]
             self.shard_offsets[name] = (offset, size)
             offset += size
         self.out_features = offset
@@ -54,20 +78,35 @@ class Linear(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor | StoredWeight, shard: str | None = None
     ) -> None:
+        """Load a checkpoint tensor (one part of a fused layer) and keep this rank's slice."""
         start, size = self.shard_offsets[shard]
         target = param.data.narrow(0, start, size)
-        if tuple(loaded.shape) != tuple(target.shape):
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        column, row = self.style is ParallelStyle.COLUMN, self.style is ParallelStyle.ROW
+        is_bias = param is self.bias
+        full_in = self.in_features * tp if row else self.in_features
+        rows = size * tp if column else size
+        full = (rows,) if is_bias else (rows, full_in)  # the checkpoint tensor's shape
+        if tuple(loaded.shape) != full:
+            full_out = self.out_features * tp if column else self.out_features
             raise ValueError(
-                f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)} "
-                f"(shard {shard!r} of a {self.out_features}x{self.in_features} layer)"
+                f"weight shape {tuple(loaded.shape)} does not fit {full} "
+                f"(shard {shard!r} of a {full_out}x{full_in} layer)"
             )
+        if tp > 1 and column:
+            loaded = loaded.narrow(0, rank * size, size)
+        elif tp > 1 and row and not is_bias:
+            loaded = loaded.narrow(1, rank * self.in_features, self.in_features)
+        elif tp > 1 and row and rank > 0:
+            loaded = torch.zeros_like(loaded)  # the ranks' partial sums add the bias once: rank 0's
         self.method.load_weight(self, shard, target, loaded)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return tensor_parallel_all_reduce(y, self.parallel) if self.reduce_output else y
 
 
 def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
