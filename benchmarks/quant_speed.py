@@ -47,7 +47,7 @@ def main() -> None:
     max_tokens = args.max_tokens or (128 if args.batch == 1 else 64)
 
     from dolmus import LLM, SamplingParams
-    from dolmus.quant.weight_only import module_bytes
+    from dolmus.runtime.layers.linear import module_bytes
 
     model = str(qwen05b_shape_dir())
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

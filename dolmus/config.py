@@ -3,7 +3,9 @@
 `EngineConfig` holds what a user chooses (CLI flags map one-to-one onto its fields);
 `ModelConfig` holds what the checkpoint's config.json says, normalised across the
 transformers 4.x (`rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`)
-spellings so the rest of the engine reads one shape.
+spellings so the rest of the engine reads one shape. The fields every architecture shares
+are read here (`parse_common_fields`); each architecture's file under runtime/models adds
+its own facts and registers itself (runtime/models/registry.py).
 """
 
 from __future__ import annotations
@@ -29,13 +31,6 @@ DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
 # at 256, 1024 or 2048), and smaller chunks keep decodes flowing during long prefills.
 DEFAULT_CPU_BATCHED_TOKENS = 512
 DEFAULT_GPU_BATCHED_TOKENS = 2048
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -203,63 +198,68 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config"
     ) -> ModelConfig:
+        """Normalise a config.json dict; its architecture's own parser (the registry) reads it."""
+        # The registry imports the model files; importing it here, at call time, keeps
+        # dolmus.config free of them (they import ModelConfig from here).
+        from dolmus.runtime.models.registry import architecture
+
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"model: {source} names no architecture ('architectures' is empty)")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model: architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ValueError(f"model: {source} lacks the field {key!r}")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise ValueError(
-                f"model: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
-            )
-        rope_theta, rope_scaling = _read_rope(raw)
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
-        sliding = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding = None  # Qwen2 configs carry a window they do not use
-        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        arch = architecture(archs[0])
         generation = generation or {}
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            architecture=arch,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            hidden_act=act,
-            sliding_window=int(sliding) if sliding else None,
-            dtype=_DTYPES.get(str(dtype_name), torch.float32),
-            eos_token_ids=eos_ids,
+            architecture=arch.name,
+            **arch.parse(raw, source),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-            quantization_config=raw.get("quantization_config"),
         )
+
+
+def parse_common_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `ModelConfig` fields every architecture reads the same way (all but the
+    architecture name and the generation config's token ids); an architecture's parser
+    starts from these and overrides its own facts."""
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise ValueError(f"model: {source} lacks the field {key!r}")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"model: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+    rope_theta, rope_scaling = _read_rope(raw)
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+    sliding = raw.get("sliding_window")
+    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return dict(
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=False,
+        hidden_act=act,
+        sliding_window=int(sliding) if sliding else None,
+        dtype=_DTYPES.get(str(dtype_name), torch.float32),
+        quantization_config=raw.get("quantization_config"),
+    )
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -90,7 +90,7 @@ def test_native_and_pytorch_kernels_hold_the_same_weights_and_agree(llama_dir, q
     ours, theirs = LLM(**kw), LLM(**kw, native_kernels=False)
     for name, layer in _linears(ours).items():
         other = _linears(theirs)[name]
-        assert layer.layout == "native" and other.layout == "torch"
+        assert layer.method_state.kernel.name == "native" and other.method_state.kernel.name == "torch"
         if type(layer.method) is type(other.method):  # PyTorch's int4 layout needs 16 | outputs
             # (PyTorch's int4 weights come back through its kernel, rounded to bf16)
             torch.testing.assert_close(

@@ -131,12 +131,12 @@ def test_prequantized_layers_run_as_stored_on_the_int4_kernel(
     layers = {n: m for n, m in ours.engine.runner.model.named_modules() if isinstance(m, Linear)}
     for name, layer in layers.items():
         if name == "lm_head":
-            assert not hasattr(layer, "checkpoint_layout")
+            assert layer.checkpoint_layout is None
             continue
         if act_order:
             assert layer.checkpoint_layout == "dequantized"
             continue
-        assert layer.checkpoint_layout == "int4 kernel" and layer.layout == "native"
+        assert layer.checkpoint_layout == "int4 kernel" and layer.method_state.kernel.name == "native"
         assert isinstance(layer.method, Int4WeightOnlyMethod) and layer.method.group_size == GROUP
         assert layer.weight.numel() == 0  # no float copy kept
         # The intended weights, up to bf16 rounding of each group's scale and zero point.

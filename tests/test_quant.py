@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from dolmus import LLM, EngineConfig
-from dolmus.quant.weight_only import (
-    Int4WeightOnlyMethod,
-    Int8WeightOnlyMethod,
-    W8A8DynamicMethod,
-    make_quant_method,
-)
+from dolmus.quant.methods import make_linear_method
+from dolmus.quant.w8a8 import W8A8DynamicMethod
+from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 from dolmus.runtime.layers.linear import Linear
 from helpers import random_prompts, run_tokens
 
@@ -78,10 +75,7 @@ def test_layers_compute_with_their_dequantized_weights(model_dir, kw) -> None:
             quant.engine.runner.model.lm_head.method, Int8WeightOnlyMethod
         )  # head kept at 8 bits
     # Linear layers store a quarter (int8) or less of their fp32 bytes, scales included.
-    stored = sum(
-        sum(b.numel() * b.element_size() for b in layer.buffers()) + getattr(layer, "opaque_weight_bytes", 0)
-        for layer in quant_layers.values()
-    )
+    stored = sum(layer.method_state.nbytes() for layer in quant_layers.values())
     original = sum(layer.weight.numel() * 4 for layer in float_layers.values())
     assert stored < 0.4 * original
 
@@ -137,7 +131,7 @@ def test_fp8_weights_refuse_the_cpu_and_compute_with_their_dequantized_weights(m
         LLM(model=str(model_dir), quantization="fp8")
     # The method's arithmetic, on the CPU: e4m3 codes per output channel, then the
     # dequantizing path that GPUs without fp8 matrix units take.
-    method = make_quant_method("fp8", 32, False)
+    method = make_linear_method(False, "fp8")
     layer = Linear(64, 48, True, torch.float32, method)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 64, generator=gen)

@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from dolmus.quant import triton_kernels as tk
+    from dolmus.quant.kernels import KERNELS
     from dolmus.quant.weight_only import Int4WeightOnlyMethod, fit_int4_groups
     from dolmus.runtime.layers.linear import Linear
 
@@ -36,14 +37,14 @@ SCRIPT = textwrap.dedent(
             y = tk.weight_only_matmul(x, packed, s, z, n, 4, group, blocks=blocks)
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
 
-    # The int4 method's GPU storage: store, apply (through the kernel), dequantize agree.
+    # The int4 method's GPU storage: pack, apply (through the kernel), dequantize agree.
     method = Int4WeightOnlyMethod(group_size=32, native=False)
     layer = Linear(64, 48, True, torch.float32, method)
     layer.bias.data.normal_()
     w = torch.randn(48, 64, generator=gen)
     codes, s, z = fit_int4_groups(w.reshape(48, 2, 32), symmetric=False)
-    layer.layout = "triton"
-    method.store(layer, codes.reshape(48, 64).to(torch.int32), s, z)
+    codes = codes.reshape(48, 64).to(torch.int32)
+    layer.method_state = KERNELS["int4", "cuda"].pack(codes, s, z, 32, torch.float32)
     deq = method.dequantize(layer)
     assert (deq - w).abs().max() <= s.max()  # within a step of the original
     x = torch.randn(3, 64, generator=gen)

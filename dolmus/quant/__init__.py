@@ -1,1 +1,1 @@
-"""Quantization: weight-only int8/int4 methods for linear layers."""
+"""Quantization: linear methods (int8, int4, w8a8, fp8, pre-quantized checkpoints) and their kernels."""

@@ -3,10 +3,9 @@
 The checkpoint's `quantization_config` names the format. Each quantized layer arrives as
 `qweight`/`qzeros`/`scales` (plus `g_idx` for GPTQ) and is unpacked here into `Int4Codes`:
 the layer's own 4-bit codes with a scale and zero per group, which a bf16 CPU layer runs
-as stored on our int4 kernel (weight_only.adopt_checkpoint_codes). Where that kernel cannot
-take them (no kernel here, fp32 runs, an act-order GPTQ whose `g_idx` scatters the groups)
-the layer gets the float weight the codes stand for, dequantized on load. Formats, as
-published:
+as stored on our int4 kernel (prequantized.py). Where that kernel cannot take them (no
+kernel here, fp32 runs, an act-order GPTQ whose `g_idx` scatters the groups) the layer
+gets the float weight the codes stand for, dequantized on load. Formats, as published:
 
 - GPTQ: `qweight` int32 [K/8, N], eight 4-bit codes per int32 along the input dimension,
   low bits first; `qzeros` int32 [groups, N/8] along the output dimension, stored minus one
@@ -46,6 +45,23 @@ class Int4Codes:
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> Int4Codes:
+        """A tensor-parallel rank's slice: output rows take their groups' scales and zeros
+        along; a slice of the inputs must hold whole groups, unless `g_idx` maps each input."""
+        if dim == 0:
+            rows = (t.narrow(0, start, length) for t in (self.codes, self.zeros, self.scale))
+            return Int4Codes(*rows, self.group, self.g_idx)
+        codes = self.codes.narrow(1, start, length)
+        if self.g_idx is not None:
+            return Int4Codes(codes, self.zeros, self.scale, self.group, self.g_idx.narrow(0, start, length))
+        if start % self.group or length % self.group:
+            raise ValueError(
+                f"inputs {start}..{start + length} of a 4-bit weight cut its groups of {self.group}"
+            )
+        first, count = start // self.group, length // self.group
+        zeros, scale = (t.narrow(1, first, count) for t in (self.zeros, self.scale))
+        return Int4Codes(codes, zeros, scale, self.group)
 
     def dequantize(self) -> torch.Tensor:
         if self.g_idx is not None:

@@ -4,9 +4,10 @@ transformers reads the architecture and the tokenizer from the file's metadata; 
 package reads the tensors. Q4_0 linear weights keep their codes (`Int4Codes`: blocks of 32
 with one scale, w = d * (q - 8)), so bf16 CPU runs use them as stored on our int4 kernel;
 every other type it knows (F32, F16, BF16, Q8_0, Q4_K, Q6_K, ...) is dequantized to float
-on load (add --quantization to requantize for our kernels). Names map back to Hugging
-Face's, and for Llama and Mistral the q/k rows are permuted back from llama.cpp's
-interleaved rotary layout to Hugging Face's halves.
+on load (add --quantization to requantize for our kernels). The file's type maps to a
+registered architecture (runtime/models/registry.py); names map back to Hugging Face's,
+and where the architecture says llama.cpp interleaves the q/k rotary halves (Llama,
+Mistral) those rows are permuted back to Hugging Face's halves.
 """
 
 from __future__ import annotations
@@ -20,16 +21,10 @@ import numpy as np
 import torch
 
 from dolmus.quant.checkpoint import Int4Codes
+from dolmus.runtime.models import registry
 
 logger = logging.getLogger(__name__)
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-_PERMUTED = ("llama", "mistral")  # llama.cpp's converter interleaves their q/k rotary halves
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -58,19 +53,15 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def gguf_config(path: Path) -> dict[str, Any]:
-    """The file's metadata as a Hugging Face config dict."""
+    """The file's metadata as a Hugging Face config dict, naming the registered architecture
+    the file's type stands for; `ModelConfig.from_dict` then parses it as any config.json."""
     from transformers import AutoConfig
 
     try:
         raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except Exception as exc:  # transformers raises several kinds for unknown or broken files
         raise ValueError(f"model: cannot read GGUF metadata from {str(path)!r} ({exc})") from exc
-    model_type = raw.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(
-            f"model: GGUF architecture {model_type!r} is not supported ({', '.join(_ARCHITECTURES)})"
-        )
-    raw["architectures"] = [_ARCHITECTURES[model_type]]
+    raw["architectures"] = [registry.architecture_for_gguf(raw.get("model_type")).name]
     # transformers does not carry the explicit head size over for every architecture (Qwen3
     # falls back to its default of 128): take it from the file.
     head_dim = _metadata_int(path, "attention.key_length")
@@ -114,7 +105,7 @@ def iter_gguf_weights(
         bar = tqdm(total=len(reader.tensors), desc="Loading GGUF", unit="tensor", leave=False)
     quantized: set[str] = set()
     kept: set[str] = set()
-    permuted = architecture in (_ARCHITECTURES[a] for a in _PERMUTED)
+    permuted = registry.architecture(architecture).gguf_interleaved_qk
     for t in reader.tensors:
         if bar is not None:
             bar.update(1)

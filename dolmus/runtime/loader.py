@@ -12,11 +12,13 @@ from safetensors import safe_open
 from torch import nn
 
 from dolmus.config import ModelConfig
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.quant.checkpoint import checkpoint_format, unpack_stream
-from dolmus.quant.weight_only import module_bytes
+from dolmus.quant.prequantized import PrequantizedMethod
 from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
-from dolmus.runtime.layers.linear import LinearMethod
+from dolmus.runtime.layers.linear import Linear, module_bytes
+from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -61,9 +63,8 @@ def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[st
 def _log_checkpoint_layers(method: str, model: nn.Module) -> None:
     counts: dict[str, int] = {}
     for m in model.modules():
-        layout = getattr(m, "checkpoint_layout", None)
-        if layout:
-            counts[layout] = counts.get(layout, 0) + 1
+        if isinstance(m, Linear) and m.checkpoint_layout:
+            counts[m.checkpoint_layout] = counts.get(m.checkpoint_layout, 0) + 1
     logger.info(
         "%s checkpoint: %d 4-bit layers run as stored on the int4 kernel, %d dequantized on load%s",
         method.upper(),
@@ -85,16 +86,21 @@ def load_model(
     backend: AttentionBackend,
     max_len: int,
     progress: bool = False,
+    parallel: ParallelConfig = SINGLE_RANK,
 ) -> nn.Module:
-    if is_gguf(folder):
+    """Build the architecture's model for this tensor-parallel rank and fill it from `folder`."""
+    gguf = is_gguf(folder)
+    if gguf:
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
     else:
         weights = iter_weights(safetensors_files(folder), progress)
     fmt = checkpoint_format(cfg.quantization_config)
     if fmt is not None:
         weights = unpack_stream(fmt, weights)
+    if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
+        method = PrequantizedMethod(method)
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len)
+        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel)
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()

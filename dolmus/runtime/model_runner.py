@@ -23,11 +23,11 @@ from dolmus.config import (
     EngineConfig,
     ModelConfig,
 )
-from dolmus.quant.weight_only import module_bytes
+from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
-from dolmus.runtime.layers.linear import make_linear_method
+from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams

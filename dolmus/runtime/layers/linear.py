@@ -1,82 +1,40 @@
-"""Linear layers that own their weight loading and their compute method.
+"""Linear layers that own their weight loading; a `LinearMethod` owns their compute.
 
 A model names its projections once; the layer knows how a checkpoint's separate q/k/v or
-gate/up tensors land in its fused weight (`weight_loader`), and a `LinearMethod` decides
-how the weight is stored and multiplied. Quantized formats plug in as further methods, so
-every model gets every format without model changes.
+gate/up tensors land in its fused weight and which slice of them its tensor-parallel rank
+holds (`weight_loader`), and its method decides how the weight is stored and multiplied
+(linear_method.py: the contract). Quantized formats plug in as further methods, so every
+model gets every format and every parallel layout without model changes.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from enum import Enum
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dolmus.quant.checkpoint import Int4Codes
+from dolmus.distributed.collectives import tensor_parallel_all_reduce
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
+from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
 
 
-class LinearMethod(ABC):
-    """How a linear layer's weight is created, post-processed after loading, and applied."""
+class ParallelStyle(Enum):
+    """How a layer's weight splits over tensor-parallel ranks."""
 
-    @abstractmethod
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        """Turn loaded weights into their compute layout (packing, quantizing)."""
-
-    @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
-
-    def head_method(self) -> LinearMethod:
-        """The method for the LM head (a format may keep it at higher precision)."""
-        return self
-
-
-class UnquantizedLinearMethod(LinearMethod):
-    """Plain weights. On CPU in bf16, prepacks them for oneDNN.
-
-    PyTorch's default bf16 GEMV streams weights at about half the memory bandwidth here;
-    oneDNN's prepacked (blocked) layout reaches ~1.5-1.8x that at batch 1 and is no slower
-    at large batches (measured: benchmarks/offline_throughput.py runs with it on).
-    """
-
-    def __init__(self, prepack: bool = True) -> None:
-        self.prepack = prepack
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(
-            torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
-        )
-        layer.bias = (
-            nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
-            if layer.has_bias
-            else None
-        )
-        layer.packed_weight = None
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        w = layer.weight
-        if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
-            return
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        if not layer.weight_shared:  # the packed copy is the only one needed from now on
-            layer.weight.data = torch.empty(0, dtype=w.dtype)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
-        return F.linear(x, layer.weight, layer.bias)
+    REPLICATED = "replicated"  # every rank holds all of it
+    COLUMN = "column"  # output features split: each rank computes its share of the outputs
+    ROW = "row"  # input features split: each rank computes a partial sum, then all-reduce
 
 
 class Linear(nn.Module):
     """y = x W^T + b, where W may be several checkpoint tensors stacked along the output.
 
     `shard_sizes` names the stacked parts (e.g. {"q": 896, "k": 128, "v": 128}); a plain
-    layer has the single part None.
+    layer has the single part None. Sizes are the checkpoint's: a column-parallel layer
+    holds this rank's share of each part (a fused q/k/v its share of the q, k and v heads),
+    a row-parallel one its share of the inputs, and `in_features`, `out_features` and
+    `shard_offsets` describe what the rank holds.
     """
 
     def __init__(
@@ -86,51 +44,69 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         method: LinearMethod,
+        *,
+        style: ParallelStyle = ParallelStyle.REPLICATED,
+        parallel: ParallelConfig = SINGLE_RANK,
     ) -> None:
         super().__init__()
         if isinstance(shard_sizes, int):
             shard_sizes = {None: shard_sizes}
-        self.in_features = in_features
+        self.style, self.parallel = style, parallel
+        self.reduce_output = style is ParallelStyle.ROW and parallel.tp_size > 1
+        row, column = style is ParallelStyle.ROW, style is ParallelStyle.COLUMN
+        self.in_features = parallel.split(in_features, "input features")[1] if row else in_features
         self.shard_offsets: dict[str | None, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
+            if column:
+                size = parallel.split(size, "output features" + (f" of part {name!r}" if name else ""))[1]
             self.shard_offsets[name] = (offset, size)
             offset += size
         self.out_features = offset
         self.has_bias = bias
         self.weight_shared = False  # set when another module owns the same storage (tied head)
-        self.checkpoint_codes: dict[str | None, Int4Codes] = {}  # GPTQ/AWQ shards, as stored
+        # Where a pre-quantized checkpoint's codes went: "int4 kernel" (run as stored) or
+        # "dequantized" (to a float weight on load); None for a float checkpoint's layer.
+        self.checkpoint_layout: str | None = None
         self.method = method
+        self.method_state: LinearState | None = None  # the method's typed per-layer storage
         method.create_weights(self, dtype)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor | Int4Codes, shard: str | None = None
+        self, param: nn.Parameter, loaded: torch.Tensor | StoredWeight, shard: str | None = None
     ) -> None:
+        """Load a checkpoint tensor (one part of a fused layer) and keep this rank's slice."""
         start, size = self.shard_offsets[shard]
         target = param.data.narrow(0, start, size)
-        if tuple(loaded.shape) != tuple(target.shape):
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        column, row = self.style is ParallelStyle.COLUMN, self.style is ParallelStyle.ROW
+        is_bias = param is self.bias
+        full_in = self.in_features * tp if row else self.in_features
+        rows = size * tp if column else size
+        full = (rows,) if is_bias else (rows, full_in)  # the checkpoint tensor's shape
+        if tuple(loaded.shape) != full:
+            full_out = self.out_features * tp if column else self.out_features
             raise ValueError(
-                f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)} "
-                f"(shard {shard!r} of a {self.out_features}x{self.in_features} layer)"
+                f"weight shape {tuple(loaded.shape)} does not fit {full} "
+                f"(shard {shard!r} of a {full_out}x{full_in} layer)"
             )
-        if isinstance(loaded, Int4Codes):
-            self.checkpoint_codes[shard] = loaded  # placed once every shard is in
-            return
-        target.copy_(loaded)
+        if tp > 1 and column:
+            loaded = loaded.narrow(0, rank * size, size)
+        elif tp > 1 and row and not is_bias:
+            loaded = loaded.narrow(1, rank * self.in_features, self.in_features)
+        elif tp > 1 and row and rank > 0:
+            loaded = torch.zeros_like(loaded)  # the ranks' partial sums add the bias once: rank 0's
+        self.method.load_weight(self, shard, target, loaded)
 
     def process_weights_after_loading(self) -> None:
-        if self.checkpoint_codes:
-            from dolmus.quant.weight_only import adopt_checkpoint_codes
-
-            if adopt_checkpoint_codes(self):
-                return
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return tensor_parallel_all_reduce(y, self.parallel) if self.reduce_output else y
 
 
 def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
@@ -140,16 +116,10 @@ def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = No
     param.data.copy_(loaded)
 
 
-def make_linear_method(
-    prepack: bool,
-    quantization: str | None = None,
-    group_size: int = 32,
-    symmetric: bool = False,
-    head: str = "int8",
-    native_kernels: bool = True,
-) -> LinearMethod:
-    if quantization is None:
-        return UnquantizedLinearMethod(prepack=prepack)
-    from dolmus.quant.weight_only import make_quant_method
-
-    return make_quant_method(quantization, group_size, symmetric, head, native_kernels)
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of weights as stored for compute: parameters, buffers and the linear layers' states."""
+    total = tensor_bytes(*model.parameters(), *model.buffers())
+    for m in model.modules():
+        if isinstance(m, Linear) and m.method_state is not None:
+            total += m.method_state.nbytes()
+    return total

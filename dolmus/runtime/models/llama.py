@@ -1,8 +1,12 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family: Llama 2/3 and Mistral here; Qwen2 and Qwen3 (qwen2.py, qwen3.py) run
+on the same class, switched by `ModelConfig` (attention bias, q/k RMSNorm).
 
 The model sees a flat batch of tokens with positions and attention metadata; it knows
 nothing of requests. Parameter names mirror the Hugging Face checkpoints, except that
-q/k/v and gate/up are fused into one matrix each (fewer, larger GEMMs).
+q/k/v and gate/up are fused into one matrix each (fewer, larger GEMMs). Under tensor
+parallelism (`ParallelConfig`) each rank holds its share of the attention heads and of the
+MLP's inner features: q/k/v and gate/up are column-parallel, o and down row-parallel (their
+outputs all-reduced); embeddings, norms and the LM head are whole on every rank.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dolmus.config import ModelConfig
+from dolmus.config import ModelConfig, parse_common_fields
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.layers.linear import Linear, LinearMethod, load_plain
+from dolmus.runtime.layers.linear import Linear, ParallelStyle, load_plain
+from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
+from dolmus.runtime.models.registry import register_architecture
 from dolmus.runtime.native import ops as native_ops
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -40,15 +47,26 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         method: LinearMethod,
         backend: AttentionBackend,
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = parallel.split(cfg.num_heads, "num_attention_heads")[1]
+        self.num_kv_heads = parallel.split(cfg.num_kv_heads, "num_key_value_heads")[1]
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qk_size = q_size + kv_size
+        self.qk_size = (self.num_heads + self.num_kv_heads) * cfg.head_dim  # this rank's q and k
         self.qkv_proj = Linear(
-            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.attention_bias, dtype, method
+            cfg.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            cfg.attention_bias,
+            dtype,
+            method,
+            style=ParallelStyle.COLUMN,
+            parallel=parallel,
         )
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, method)
+        self.o_proj = Linear(
+            q_size, cfg.hidden_size, False, dtype, method, style=ParallelStyle.ROW, parallel=parallel
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -77,12 +95,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod, parallel: ParallelConfig
+    ) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method)
-        self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method)
-        self.size = size
+        column, row = ParallelStyle.COLUMN, ParallelStyle.ROW
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method, style=column, parallel=parallel
+        )
+        self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel)
+        self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
         self.native = False  # set by the model runner where our C kernels run (bf16, AVX-512 BF16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +124,13 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         method: LinearMethod,
         backend: AttentionBackend,
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, method, backend)
+        self.self_attn = Attention(cfg, dtype, method, backend, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, method)
+        self.mlp = MLP(cfg, dtype, method, parallel)
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
@@ -123,12 +147,15 @@ class LlamaModel(nn.Module):
         method: LinearMethod,
         backend: AttentionBackend,
         max_len: int,
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, method, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, method, backend, parallel) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -140,10 +167,11 @@ class LlamaForCausalLM(nn.Module):
         method: LinearMethod,
         backend: AttentionBackend,
         max_len: int,
+        parallel: ParallelConfig = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, method, backend, max_len)
+        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel)
         # A tied head is still its own Linear (sharing the embedding's storage) so its
         # method may pack or quantize it.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method.head_method())
@@ -205,3 +233,21 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+
+
+# Mistral's config differs from Llama's only in a sliding window, which the shared fields read.
+# llama.cpp stores both with the q/k rotary halves interleaved.
+register_architecture(
+    "LlamaForCausalLM",
+    parse=parse_common_fields,
+    model_cls=LlamaForCausalLM,
+    gguf_type="llama",
+    gguf_interleaved_qk=True,
+)
+register_architecture(
+    "MistralForCausalLM",
+    parse=parse_common_fields,
+    model_cls=LlamaForCausalLM,
+    gguf_type="mistral",
+    gguf_interleaved_qk=True,
+)

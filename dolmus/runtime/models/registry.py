@@ -1,21 +1,89 @@
-"""Maps a checkpoint's `architectures[0]` to the class that runs it."""
+"""Which Hugging Face architectures the engine runs, and what each one needs.
+
+Every family file in this package registers its architectures on import: the function that
+turns a raw config.json dict into `ModelConfig` fields, the class that runs it, and how
+llama.cpp names and lays it out. Adding an architecture is one file here: the package is
+scanned on the first lookup, so nothing else lists the families.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
-from dolmus.config import SUPPORTED_ARCHITECTURES
-from dolmus.runtime.models.llama import LlamaForCausalLM
-
-# Llama, Mistral, Qwen2 and Qwen3 differ only in switches ModelConfig already reads
-# (attention bias, q/k norm, sliding window), so one class runs them all.
-_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+ParseConfig = Callable[[dict[str, Any], str], dict[str, Any]]
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+@dataclass(frozen=True)
+class Architecture:
+    """One `architectures[0]` name and the facts that go with it."""
+
+    name: str
+    parse: ParseConfig  # (raw config dict, source for errors) -> ModelConfig fields
+    model_cls: type[nn.Module]  # built as model_cls(cfg, dtype, linear method, backend, max_len, parallel)
+    gguf_type: str | None = None  # llama.cpp's `general.architecture` read as this one
+    gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves the q/k rotary halves
+
+
+_ARCHITECTURES: dict[str, Architecture] = {}
+
+
+def register_architecture(
+    name: str,
+    *,
+    parse: ParseConfig,
+    model_cls: type[nn.Module],
+    gguf_type: str | None = None,
+    gguf_interleaved_qk: bool = False,
+) -> Architecture:
+    """Declare an architecture; called by its family file at import time."""
+    if name in _ARCHITECTURES:
+        raise ValueError(f"architecture {name!r} is registered twice")
+    if gguf_type is not None and any(a.gguf_type == gguf_type for a in _ARCHITECTURES.values()):
+        raise ValueError(f"GGUF architecture {gguf_type!r} is registered twice")
+    arch = Architecture(name, parse, model_cls, gguf_type, gguf_interleaved_qk)
+    _ARCHITECTURES[name] = arch
+    return arch
+
+
+@functools.cache
+def _import_families() -> None:
+    """Import every module of this package once, so each registers its architectures."""
+    package = __name__.rpartition(".")[0]
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(f"{package}.{module.name}")
+
+
+def supported_architectures() -> list[str]:
+    _import_families()
+    return sorted(_ARCHITECTURES)
+
+
+def architecture(name: str) -> Architecture:
+    """The registered architecture, or a ValueError that lists the supported ones."""
+    _import_families()
     try:
-        return _MODELS[architecture]
+        return _ARCHITECTURES[name]
     except KeyError:
-        raise ValueError(
-            f"model: architecture {architecture!r} is not supported; supported: {', '.join(_MODELS)}"
-        ) from None
+        supported = ", ".join(supported_architectures())
+        raise ValueError(f"model: architecture {name!r} is not supported; supported: {supported}") from None
+
+
+def architecture_for_gguf(gguf_type: str | None) -> Architecture:
+    """The architecture a GGUF file's `general.architecture` stands for."""
+    _import_families()
+    for arch in _ARCHITECTURES.values():
+        if arch.gguf_type is not None and arch.gguf_type == gguf_type:
+            return arch
+    known = sorted(a.gguf_type for a in _ARCHITECTURES.values() if a.gguf_type)
+    raise ValueError(f"model: GGUF architecture {gguf_type!r} is not supported ({', '.join(known)})")
+
+
+def model_class(name: str) -> type[nn.Module]:
+    return architecture(name).model_cls

@@ -1,0 +1,1 @@
+"""Tensor parallelism: which rank a process is, and the collectives its layers call."""

@@ -1,0 +1,98 @@
+"""A pre-quantized checkpoint's 4-bit codes (GPTQ, AWQ, GGUF Q4_0), placed once a layer is loaded.
+
+The loader wraps the engine's linear method in `PrequantizedMethod` where the checkpoint can
+carry codes (checkpoint.py and gguf_loader.py hand them over as `Int4Codes`). A layer whose
+codes our int4 kernel can take runs them as stored (no float round trip); any other gets
+the float weight they stand for and goes on under the wrapped method, which may quantize
+it again on load. Either way the layer ends with its own method and state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.kernels import int4_kernel
+from dolmus.quant.weight_only import Int4WeightOnlyMethod
+from dolmus.runtime.layers.linear import Linear
+from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
+
+
+@dataclass
+class PendingCodes(LinearState):
+    """A layer's checkpoint codes by shard, kept while the checkpoint loads."""
+
+    parts: dict[str | None, Int4Codes] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(p.codes, p.zeros, p.scale) for p in self.parts.values())
+
+
+class PrequantizedMethod(LinearMethod):
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner  # the engine's method: float layers, and codes our kernel cannot take
+        self.native = inner.native
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        self.inner.create_weights(layer, dtype)
+
+    def load_weight(
+        self, layer: Linear, shard: str | None, target: torch.Tensor, loaded: torch.Tensor | StoredWeight
+    ) -> None:
+        if not isinstance(loaded, Int4Codes):
+            self.inner.load_weight(layer, shard, target, loaded)
+            return
+        state = layer.method_state
+        if not isinstance(state, PendingCodes):
+            state = layer.method_state = PendingCodes()
+        state.parts[shard] = loaded  # placed once every shard is in
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        pending = layer.method_state
+        layer.method_state = None
+        layer.method = self.inner
+        if isinstance(pending, PendingCodes):
+            if _run_as_stored(layer, pending.parts, self.native):
+                return
+            for shard, part in pending.parts.items():
+                start, size = layer.shard_offsets[shard]
+                layer.weight.data.narrow(0, start, size).copy_(part.dequantize())
+            layer.checkpoint_layout = "dequantized"
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a pre-quantized layer computes only once its weights are processed")
+
+    def head_method(self) -> LinearMethod:
+        return PrequantizedMethod(self.inner.head_method())
+
+
+def _run_as_stored(layer: Linear, parts: dict[str | None, Int4Codes], native: bool) -> bool:
+    """Give the layer its codes on our int4 kernel, if that kernel can take them as stored."""
+    groups = {p.group for p in parts.values()}
+    group = min(groups)
+    weight = layer.weight
+    kernel = int4_kernel(weight.device, weight.dtype, native)
+    fits = (
+        parts.keys() == layer.shard_offsets.keys()
+        and len(groups) == 1
+        and all(p.g_idx is None for p in parts.values())  # act order scatters the groups
+        and kernel.takes_checkpoint_codes
+        and kernel.available()
+        and kernel.accepts(layer.out_features, layer.in_features, group)
+    )
+    if not fits:
+        return False
+    ordered = [parts[shard] for shard in layer.shard_offsets]  # the stacking order
+    scale = torch.cat([p.scale for p in ordered]).to(weight.device)
+    zeros = torch.cat([p.zeros for p in ordered]).to(weight.device)
+    codes = torch.cat([p.codes for p in ordered]).to(weight.device)
+    layer.method = Int4WeightOnlyMethod(group, native=True)
+    # (q - z) * s == (q - 8) * s + (8 - z) * s: our kernels' zero is the value of code 8
+    layer.method_state = kernel.pack(codes, scale, (8 - zeros) * scale, group, weight.dtype)
+    if not layer.weight_shared:
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    layer.checkpoint_layout = "int4 kernel"
+    return True

@@ -1,0 +1,79 @@
+"""The contract between linear layers and the methods that store and multiply their weights.
+
+Layers know only this module; the quantization formats (dolmus.quant) implement it, so the
+dependency points one way. A method object is shared by many layers and holds only its
+settings; what it keeps for one layer is a typed `LinearState` in that layer's single
+`method_state` attribute, never loose attributes on the layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from dolmus.runtime.layers.linear import Linear
+
+
+class StoredWeight(Protocol):
+    """A checkpoint weight that arrives already quantized (GPTQ/AWQ/GGUF codes): layers
+    only check its shape and take their tensor-parallel slice; its method places it."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> StoredWeight: ...
+
+
+class LinearState(ABC):
+    """One layer's weight as its method stores it for compute."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes it holds, including any a library keeps outside tensors (memory accounting)."""
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class LinearMethod(ABC):
+    """How a linear layer's weight is created, loaded, post-processed, and applied."""
+
+    # May our C kernels run this method's layers (the native_kernels flag)? Pre-quantized
+    # checkpoint codes loaded under a method follow it too.
+    native: bool = True
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        """Float parameters the checkpoint loads into; a method that quantizes on load
+        replaces them after loading."""
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
+        )
+        layer.bias = (
+            nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
+            if layer.has_bias
+            else None
+        )
+
+    def load_weight(
+        self, layer: Linear, shard: str | None, target: torch.Tensor, loaded: torch.Tensor | StoredWeight
+    ) -> None:
+        """Place this rank's slice of a checkpoint tensor into `target`, a view of the layer's
+        parameter. Pre-quantized weights need a method that takes their codes."""
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{type(self).__name__} takes float weights, not {type(loaded).__name__}")
+        target.copy_(loaded)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn loaded weights into their compute layout (packing, quantizing)."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def head_method(self) -> LinearMethod:
+        """The method for the LM head (a format may keep it at higher precision)."""
+        return self

@@ -1,0 +1,208 @@
+"""Tensor-parallel linear layers: each rank's layer, built from the full checkpoint tensors,
+holds its slice; concatenated column outputs and summed row outputs give the full layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_model_dir
+
+from dolmus.config import ModelConfig
+from dolmus.distributed.collectives import tensor_parallel_all_reduce
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
+from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.prequantized import PrequantizedMethod
+from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.runtime.layers.linear import Linear, ParallelStyle
+from dolmus.runtime.layers.linear_method import LinearMethod
+from dolmus.runtime.layers.unquantized import UnquantizedLinearMethod
+from dolmus.runtime.loader import iter_weights, safetensors_files
+from dolmus.runtime.models.llama import LlamaForCausalLM
+
+COLUMN, ROW = ParallelStyle.COLUMN, ParallelStyle.ROW
+QKV = {"q": 16, "k": 8, "v": 8}
+
+
+def _checkpoint(in_features: int, sizes: dict, bias: bool, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        shard: (
+            torch.randn(size, in_features, generator=gen),
+            torch.randn(size, generator=gen) if bias else None,
+        )
+        for shard, size in sizes.items()
+    }
+
+
+def _layer(
+    checkpoint: dict,
+    in_features: int,
+    style: ParallelStyle = ParallelStyle.REPLICATED,
+    parallel: ParallelConfig = SINGLE_RANK,
+    method: LinearMethod | None = None,
+) -> Linear:
+    sizes = {shard: w.shape[0] for shard, (w, _) in checkpoint.items()}
+    bias = next(iter(checkpoint.values()))[1] is not None
+    method = method or UnquantizedLinearMethod(prepack=False)
+    layer = Linear(in_features, sizes, bias, torch.float32, method, style=style, parallel=parallel)
+    for shard, (w, b) in checkpoint.items():
+        layer.weight_loader(layer.weight, w, shard)
+        if b is not None:
+            layer.weight_loader(layer.bias, b, shard)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _ranks(checkpoint: dict, in_features: int, style: ParallelStyle, tp: int = 2, **kw) -> list[Linear]:
+    return [_layer(checkpoint, in_features, style, ParallelConfig(r, tp), **kw) for r in range(tp)]
+
+
+def _gather_columns(outputs: list[torch.Tensor], layers: list[Linear]) -> torch.Tensor:
+    """Rank outputs [q_r, k_r, v_r] back into the full layer's [q, k, v] order."""
+    parts = []
+    for shard in layers[0].shard_offsets:
+        for y, layer in zip(outputs, layers):
+            start, size = layer.shard_offsets[shard]
+            parts.append(y[:, start : start + size])
+    return torch.cat(parts, dim=-1)
+
+
+X = torch.randn(5, 24, generator=torch.Generator().manual_seed(9))
+
+
+@pytest.mark.parametrize("sizes", [QKV, {None: 12}], ids=["fused-qkv", "plain"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_parallel_outputs_concatenate_to_the_full_layer(sizes: dict, tp: int) -> None:
+    checkpoint = _checkpoint(24, sizes, bias=True)
+    full, ranks = _layer(checkpoint, 24), _ranks(checkpoint, 24, COLUMN, tp)
+    assert [r.out_features for r in ranks] == [full.out_features // tp] * tp
+    assert all(r.in_features == 24 for r in ranks)
+    torch.testing.assert_close(_gather_columns([r(X) for r in ranks], ranks), full(X))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_outputs_sum_to_the_full_layer(tp: int) -> None:
+    checkpoint = _checkpoint(24, {None: 12}, bias=True)
+    full, ranks = _layer(checkpoint, 24), _ranks(checkpoint, 24, ROW, tp)
+    slices = X.chunk(tp, dim=-1)  # each rank sees its share of the inputs
+    assert all(r.in_features == 24 // tp and r.out_features == 12 for r in ranks)
+    torch.testing.assert_close(sum(r(x) for r, x in zip(ranks, slices)), full(X))  # bias added once
+
+
+def test_a_column_then_row_mlp_sums_to_the_full_mlp() -> None:
+    """gate/up column-parallel, down row-parallel: one all-reduce per MLP, as in the model."""
+    gate_up, down = _checkpoint(24, {"gate": 16, "up": 16}, bias=False), _checkpoint(16, {None: 24}, False, 1)
+
+    def mlp(up: Linear, dn: Linear) -> torch.Tensor:
+        g, u = up(X).chunk(2, dim=-1)
+        return dn(F.silu(g) * u)
+
+    ranks = zip(_ranks(gate_up, 24, COLUMN), _ranks(down, 16, ROW))
+    torch.testing.assert_close(sum(mlp(u, d) for u, d in ranks), mlp(_layer(gate_up, 24), _layer(down, 16)))
+
+
+@pytest.mark.parametrize("style", [COLUMN, ROW])
+def test_one_rank_is_the_plain_layer_bit_for_bit(style: ParallelStyle) -> None:
+    checkpoint = _checkpoint(24, QKV if style is COLUMN else {None: 12}, bias=True)
+    plain, single = _layer(checkpoint, 24), _layer(checkpoint, 24, style, ParallelConfig(0, 1))
+    assert torch.equal(single.weight, plain.weight) and torch.equal(single.bias, plain.bias)
+    assert torch.equal(single(X), plain(X))
+    assert tensor_parallel_all_reduce(X, ParallelConfig(0, 1)) is X
+
+
+def test_quantized_ranks_hold_slices_of_the_full_layers_codes() -> None:
+    """Per-row int8 scales survive a column split; int4 groups survive a row split of whole groups."""
+    checkpoint = _checkpoint(64, {None: 32}, bias=False)
+    full8 = _layer(checkpoint, 64, method=Int8WeightOnlyMethod())
+    ranks8 = _ranks(checkpoint, 64, COLUMN, method=Int8WeightOnlyMethod())
+    deq = torch.cat([r.method.dequantize(r) for r in ranks8])
+    assert torch.equal(deq, full8.method.dequantize(full8))
+    full4 = _layer(checkpoint, 64, method=Int4WeightOnlyMethod(32))
+    ranks4 = _ranks(checkpoint, 64, ROW, method=Int4WeightOnlyMethod(32))
+    deq = torch.cat([r.method.dequantize(r) for r in ranks4], dim=1)
+    assert torch.equal(deq, full4.method.dequantize(full4))
+
+
+def test_checkpoint_codes_narrow_like_the_weight_they_stand_for() -> None:
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
+    zeros, scale = torch.randint(0, 16, (8, 4), generator=gen).float(), torch.rand(8, 4, generator=gen)
+    plain = Int4Codes(codes, zeros, scale, 16)
+    scattered = Int4Codes(codes, zeros, scale, 16, torch.randint(0, 4, (64,), generator=gen))
+    for stored in (plain, scattered):
+        w = stored.dequantize()
+        assert torch.equal(stored.narrow(0, 4, 4).dequantize(), w[4:])
+        assert torch.equal(stored.narrow(1, 32, 32).dequantize(), w[:, 32:])
+    with pytest.raises(ValueError, match="cut its groups"):
+        plain.narrow(1, 8, 32)
+    # A pre-quantized layer's ranks take their codes' slices (here dequantized: fp32 has no int4 kernel).
+    ranks = []
+    for rank in range(2):
+        method = PrequantizedMethod(UnquantizedLinearMethod(prepack=False))
+        layer = Linear(64, 8, False, torch.float32, method, style=ROW, parallel=ParallelConfig(rank, 2))
+        layer.weight_loader(layer.weight, plain)
+        layer.process_weights_after_loading()
+        assert layer.checkpoint_layout == "dequantized" and isinstance(layer.method, UnquantizedLinearMethod)
+        ranks.append(layer.weight)
+    assert torch.equal(torch.cat(ranks, dim=1), plain.dequantize())
+
+
+def test_shapes_that_do_not_split_or_fit_are_clear_errors() -> None:
+    def build(sizes: dict | int, style: ParallelStyle, rank: int, tp: int) -> Linear:
+        method = UnquantizedLinearMethod()
+        return Linear(24, sizes, False, torch.float32, method, style=style, parallel=ParallelConfig(rank, tp))
+
+    with pytest.raises(ValueError, match=r"output features of part 'k' \(8\) does not split evenly"):
+        build({"q": 24, "k": 8}, COLUMN, 0, 3)
+    with pytest.raises(ValueError, match=r"input features \(24\) does not split evenly over tp_size 5"):
+        build(8, ROW, 0, 5)
+    layer = build(8, ROW, 1, 2)
+    with pytest.raises(ValueError, match=r"weight shape \(8, 12\) does not fit \(8, 24\)"):
+        layer.weight_loader(layer.weight, torch.zeros(8, 12))  # a rank's slice is not a checkpoint
+    for rank, size in ((2, 2), (0, 0)):
+        with pytest.raises(ValueError, match="tp_"):
+            ParallelConfig(rank, size)
+
+
+def test_a_model_rank_holds_its_heads_and_loads_the_full_checkpoint(model_root) -> None:
+    folder = build_model_dir("llama", model_root)  # 4 heads, 2 KV heads, 128 inner features
+    cfg = ModelConfig.from_dir(folder)
+    for rank in range(2):
+        # attention is not run here: the backend is not needed
+        model = LlamaForCausalLM(
+            cfg, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(rank, 2)
+        )
+        model.load_weights(iter_weights(safetensors_files(folder)))  # no weight missing or misfit
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert (attn.num_heads, attn.num_kv_heads, mlp.size) == (2, 1, 64)
+        assert attn.qkv_proj.shard_offsets == {"q": (0, 32), "k": (32, 16), "v": (48, 16)}
+        assert (attn.o_proj.in_features, mlp.down_proj.in_features) == (32, 64)
+        assert model.lm_head.out_features == cfg.vocab_size  # the head stays whole
+    qwen2 = ModelConfig.from_dir(build_model_dir("qwen2", model_root))  # one KV head
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) does not split evenly over tp_size 2"):
+        LlamaForCausalLM(qwen2, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(0, 2))
+
+
+def _all_reduce_worker(rank: int, init_file: str, checkpoint: dict, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        layer = _layer(checkpoint, 24, ROW, ParallelConfig(rank, 2))
+        out[rank] = layer(X.chunk(2, dim=-1)[rank]).clone()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_parallel_layers_all_reduce_across_a_process_group(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    checkpoint = _checkpoint(24, {None: 12}, bias=True)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_all_reduce_worker, args=(str(tmp_path / "rendezvous"), checkpoint, out), nprocs=2)
+        results = dict(out)
+    expected = _layer(checkpoint, 24)(X)
+    for rank in range(2):  # every rank ends with the full output
+        torch.testing.assert_close(results[rank], expected)
