@@ -19,6 +19,7 @@ from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.gguf_loader import is_gguf, iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.linear_method import LinearMethod
+from dolmus.runtime.layers.ops import TORCH_OPS, LayerOps
 from dolmus.runtime.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def load_model(
     max_len: int,
     progress: bool = False,
     parallel: ParallelConfig = SINGLE_RANK,
+    ops: LayerOps = TORCH_OPS,
 ) -> nn.Module:
     """Build the architecture's model for this tensor-parallel rank and fill it from `folder`."""
     gguf = is_gguf(folder)
@@ -100,7 +102,7 @@ def load_model(
     if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
         method = PrequantizedMethod(method)
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel)
+        model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel, ops)
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()

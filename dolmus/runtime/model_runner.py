@@ -28,6 +28,7 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.layers.linear import module_bytes
+from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
@@ -127,10 +128,8 @@ class ModelRunner:
             self.attention,
             max_model_len,
             progress=progress,
+            ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
         )
-        for module in self.model.modules():  # norms, attention and MLP layers carry the switch
-            if isinstance(getattr(module, "native", None), bool):
-                module.native = self.native_kernels
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dolmus.runtime.layers.ops import torch_rotary
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -57,11 +59,5 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x: [T, H, D] (any number of heads, e.g. q and k stacked)."""
-        cos, sin = cos_sin
-        return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """Rotate x: [T, H, D] (any number of heads, e.g. q and k stacked), with PyTorch's ops."""
+        return torch_rotary(x, cos_sin)

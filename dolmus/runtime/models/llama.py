@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dolmus.config import ModelConfig, parse_common_fields
@@ -24,9 +23,9 @@ from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear, ParallelStyle, load_plain
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
+from dolmus.runtime.layers.ops import TORCH_OPS, LayerOps
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.models.registry import register_architecture
-from dolmus.runtime.native import ops as native_ops
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,8 +47,10 @@ class Attention(nn.Module):
         method: LinearMethod,
         backend: AttentionBackend,
         parallel: ParallelConfig,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = parallel.split(cfg.num_heads, "num_attention_heads")[1]
         self.num_kv_heads = parallel.split(cfg.num_kv_heads, "num_key_value_heads")[1]
         self.head_dim = cfg.head_dim
@@ -67,11 +68,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(
             q_size, cfg.hidden_size, False, dtype, method, style=ParallelStyle.ROW, parallel=parallel
         )
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
-        self.native = False  # set by the model runner where our C kernels run (bf16, AVX-512 BF16)
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
@@ -84,11 +84,7 @@ class Attention(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k rotate together: one set of elementwise ops instead of two (or one C call).
-        if self.native and qk.dtype == torch.bfloat16 and self.head_dim % 32 == 0 and qk.stride(2) == 1:
-            cos, sin = cos_sin
-            qk = native_ops.rotary_(qk, cos.view(num_tokens, -1), sin.view(num_tokens, -1))
-        else:
-            qk = RotaryEmbedding.apply(qk, cos_sin)
+        qk = self.ops.rotary(qk, cos_sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
@@ -96,25 +92,24 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod, parallel: ParallelConfig
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        parallel: ParallelConfig,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         size = cfg.intermediate_size
         column, row = ParallelStyle.COLUMN, ParallelStyle.ROW
         self.gate_up_proj = Linear(
             cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method, style=column, parallel=parallel
         )
         self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel)
-        self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
-        self.native = False  # set by the model runner where our C kernels run (bf16, AVX-512 BF16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native and gate_up.dtype == torch.bfloat16 and self.size % 16 == 0 and gate_up.dim() == 2:
-            return self.down_proj(native_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.size, dim=-1)
-        # SiLU on a contiguous copy: on CPU it is ~4x slower on the strided half-view.
-        return self.down_proj(F.silu(gate.contiguous()) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -125,12 +120,13 @@ class DecoderLayer(nn.Module):
         method: LinearMethod,
         backend: AttentionBackend,
         parallel: ParallelConfig,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, method, backend, parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, method, parallel)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(cfg, dtype, method, backend, parallel, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(cfg, dtype, method, parallel, ops)
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
@@ -148,15 +144,16 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         max_len: int,
         parallel: ParallelConfig,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, method, backend, parallel) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, dtype, method, backend, parallel, ops) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,10 +165,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_len: int,
         parallel: ParallelConfig = SINGLE_RANK,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel)
+        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops)
         # A tied head is still its own Linear (sharing the embedding's storage) so its
         # method may pack or quantize it.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method.head_method())

@@ -26,7 +26,9 @@ class Architecture:
 
     name: str
     parse: ParseConfig  # (raw config dict, source for errors) -> ModelConfig fields
-    model_cls: type[nn.Module]  # built as model_cls(cfg, dtype, linear method, backend, max_len, parallel)
+    model_cls: type[
+        nn.Module
+    ]  # built as model_cls(cfg, dtype, linear method, backend, max_len, parallel, ops)
     gguf_type: str | None = None  # llama.cpp's `general.architecture` read as this one
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves the q/k rotary halves
 
