@@ -81,6 +81,7 @@ class _CoreLoop:
         self.compiling: list[tuple[AddRequest, concurrent.futures.Future]] = []
         self.errors: list[tuple[str, str]] = []
         self.added = 0
+        self.applied = False  # a command changed the engine since the last message
 
     def run(self) -> None:
         while True:
@@ -88,8 +89,8 @@ class _CoreLoop:
                 return
             self._admit_compiled()
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            if outputs or self.errors or self.added:
-                self._send(outputs)
+            if outputs or self.errors or self.added or self.applied:
+                self._send(outputs)  # an abort on an idle engine still needs a fresh snapshot
 
     def _take_commands(self) -> bool:
         """Apply queued commands; block while there is nothing else to do. False: shut down."""
@@ -103,6 +104,7 @@ class _CoreLoop:
             except zmq.Again:
                 return True
             timeout = 0  # after the first command, take only what is already there
+            self.applied = True
             msg = to_core_decoder.decode(data)
             if isinstance(msg, Shutdown):
                 return False
@@ -148,5 +150,5 @@ class _CoreLoop:
 
     def _send(self, outputs: list) -> None:
         msg = StepOutputs(outputs, self.errors, self.added, self.engine.stats())
-        self.errors, self.added = [], 0
+        self.errors, self.added, self.applied = [], 0, False
         self.outbox.send(from_core_encoder.encode(msg), copy=False)
