@@ -1,9 +1,8 @@
-"""The engine core in its own process behind `dolmus serve`; the thread mode still works.
+"""The engine core in its own process behind `dolmus serve --engine-core process`.
 
-The rest of the server suite (streaming, disconnects, SIGTERM drain, errors, structured
-output) runs against the default, the core process; these tests add what is specific to
-the split: the same tokens as the thread mode, and a core that dies makes /health 503 and
-requests fail fast instead of hanging.
+The same tokens as the thread mode (the default), streaming and disconnects through the
+real openai client, a SIGTERM drain, and a core that dies makes /health 503 and requests
+fail fast instead of hanging.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import pytest
 from server_helpers import RemoteServer
 
 PROMPTS = ["Once upon a time", "The cat sat", "Lily and Ben"]
+SPLIT = ("--engine-core", "process")
 
 
 def _children(pid: int) -> list[int]:
@@ -37,15 +37,49 @@ def _completions(server: RemoteServer) -> list[str]:
     return [c.text for c in sorted(out.choices, key=lambda c: c.index)] + [streamed]
 
 
-@pytest.mark.parametrize("mode", ["thread"])
-def test_thread_mode_gives_the_process_mode_tokens(mode: str) -> None:
-    with RemoteServer() as split, RemoteServer("--engine-core", mode) as threaded:
+def test_process_mode_gives_the_thread_mode_tokens() -> None:
+    with RemoteServer(*SPLIT) as split, RemoteServer("--engine-core", "thread") as threaded:
         assert _completions(split) == _completions(threaded)
         assert len(_children(split.proc.pid)) == 1 and _children(threaded.proc.pid) == []
 
 
+def test_a_stream_left_early_is_aborted_in_the_core(tmp_path) -> None:
+    with RemoteServer(*SPLIT, log=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model="stories260k", prompt="Once", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = server.metrics()
+            if m['dolmus:request_success_total{finished_reason="abort"}'] == 1:
+                break
+            time.sleep(0.1)
+        assert m['dolmus:request_success_total{finished_reason="abort"}'] == 1
+        assert m["dolmus:kv_cache_blocks_used"] == 0
+
+
+def test_sigterm_drains_the_core_then_exits_0(tmp_path) -> None:
+    with RemoteServer(*SPLIT, "--drain-timeout", "20", log=tmp_path / "server.log") as server:
+        (core,) = _children(server.proc.pid)
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model="stories260k", prompt="Once", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+        )
+        first = next(iter(stream))
+        server.terminate()
+        rest = [c for c in stream]  # the in-flight stream finishes during the drain
+        assert (rest or [first])[-1].choices[0].finish_reason == "length"
+        assert server.proc.wait(timeout=40) == 0
+        assert not Path(f"/proc/{core}").exists() or b"zombie" in Path(f"/proc/{core}/status").read_bytes()
+
+
 def test_a_dead_engine_core_turns_health_503_and_fails_requests_fast(tmp_path) -> None:
-    with RemoteServer(log=tmp_path / "server.log") as server:
+    with RemoteServer(*SPLIT, log=tmp_path / "server.log") as server:
         (core,) = _children(server.proc.pid)
         os.kill(core, signal.SIGKILL)
         deadline = time.monotonic() + 30
