@@ -107,6 +107,7 @@ class MLP(nn.Module):
             cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method, style=column, parallel=parallel
         )
         self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel)
+        self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
