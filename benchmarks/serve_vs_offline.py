@@ -8,7 +8,7 @@ streams by `dolmus bench`. Runs are interleaved (offline, thread, process, ...);
 pressure of each run is printed and runs over 5% flagged (the load generator itself shares
 the machine's cores with the server, as a real client on the same host would).
 
-    python benchmarks/serve_vs_offline.py [--rounds 2] [--requests 128] [--output-len 128]
+    python benchmarks/serve_vs_offline.py [--rounds 2] [--requests 128] [--output-len 128] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def cpu_pressure_total() -> int:
         return 0
 
 
-def offline(requests: int, output_len: int) -> float:
+def offline(requests: int, output_len: int, threads: int | None) -> float:
     from dolmus import LLM, SamplingParams
     from dolmus.bench.dataset import PromptMaker
 
-    llm = LLM()
+    llm = LLM(num_threads=threads)
     maker = PromptMaker(llm.tokenizer, seed=0)
     prompts = [maker.ids(PROMPT_LEN) for _ in range(requests)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -49,11 +49,12 @@ def offline(requests: int, output_len: int) -> float:
     return requests * output_len / (time.perf_counter() - start)
 
 
-def served(mode: str, requests: int, output_len: int) -> float:
+def served(mode: str, requests: int, output_len: int, threads: int | None) -> float:
+    extra = f" --num-threads {threads}" if threads else ""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable, "-m", "dolmus.cli", "bench",
-            "--serve-args", f"--engine-core {mode} --max-num-seqs {requests}",
+            "--serve-args", f"--engine-core {mode} --max-num-seqs {requests}{extra}",
             "--concurrency", str(requests), "--num-requests", str(requests),
             "--input-len", str(PROMPT_LEN), "--output-len", str(output_len),
             "--warmup", "4", "--no-progress", "--out", out,
@@ -68,15 +69,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"offline": [], "thread": [], "process": []}
     for r in range(args.rounds):
         for name in results:
             before, t0 = cpu_pressure_total(), time.monotonic()
             if name == "offline":
-                value = offline(args.requests, args.output_len)
+                value = offline(args.requests, args.output_len, args.num_threads)
             else:
-                value = served(name, args.requests, args.output_len)
+                value = served(name, args.requests, args.output_len, args.num_threads)
             share = (cpu_pressure_total() - before) / 1e6 / (time.monotonic() - t0)
             flag = "  (disturbed)" if share > 0.05 and name == "offline" else ""
             print(f"round {r + 1} {name:8s} {value:8.1f} output tok/s   cpu pressure {share:5.1%}{flag}")
