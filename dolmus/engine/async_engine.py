@@ -13,6 +13,7 @@ detokenization stays in the step loop because it is incremental and costs O(1) p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -125,26 +126,15 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._pending_adds += params.n
         self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic()))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                # A consumer that fell behind gets one output for all the steps it missed
-                # (one SSE chunk instead of many), so slow clients cost less, not more.
-                while isinstance(item, RequestOutput) and not stream.empty():
-                    newer = stream.get_nowait()
-                    item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
                 self._inbox.put(_Abort(request_id))
+
+        async with contextlib.aclosing(stream_outputs(stream, leave)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -232,6 +222,33 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+
+
+async def stream_outputs(
+    stream: asyncio.Queue[RequestOutput | BaseException], leave: Callable[[bool], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until the finished one; `leave(finished)` at the end.
+
+    A consumer that fell behind gets one output for all the steps it missed (one SSE chunk
+    instead of many), so slow clients cost less, not more. `leave` is called however the
+    iteration ends (finished, failed, or abandoned by the client: then it aborts).
+    """
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            while isinstance(item, RequestOutput) and not stream.empty():
+                newer = stream.get_nowait()
+                item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
+            if isinstance(item, BaseException):
+                finished = True  # the engine already dropped it
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        leave(finished)
 
 
 def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

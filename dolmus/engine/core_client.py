@@ -9,6 +9,7 @@ the core process's exit into EngineDeadError for every stream (and `is_running` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import shutil
@@ -23,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dolmus.config import EngineConfig, ModelConfig
-from dolmus.engine.async_engine import EngineDeadError, coalesce
+from dolmus.engine.async_engine import EngineDeadError, stream_outputs
 from dolmus.engine.core_proc import run_engine_core
 from dolmus.engine.core_protocol import (
     AbortRequest,
@@ -185,24 +186,15 @@ class EngineCoreClient:
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         add = AddRequest(request_id, prompt, params, priority, time.monotonic())
         await self._inbox.send(to_core_encoder.encode(add))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                while isinstance(item, RequestOutput) and not stream.empty():
-                    newer = stream.get_nowait()
-                    item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             self._streams.pop(request_id, None)
-            if not finished and not self._closing:
+            if not finished:
                 self.abort(request_id)
+
+        async with contextlib.aclosing(stream_outputs(stream, leave)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         if self._closing:

@@ -10,10 +10,8 @@ engine, so a large schema never stalls a step.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import signal
-import sys
 import traceback
 
 import zmq
@@ -31,21 +29,17 @@ from dolmus.engine.core_protocol import (
     to_core_decoder,
 )
 from dolmus.engine.engine import Engine
+from dolmus.executor.worker import die_with_parent
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _COMPILE_POLL_MS = 5  # while grammars compile, how often an idle loop looks for them
 
 
 def run_engine_core(config: EngineConfig, inbox_addr: str, outbox_addr: str, log_level: int) -> None:
     """Process entry point: load the engine, then serve commands until Shutdown."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    if sys.platform.startswith("linux"):  # die with the API server: no orphan holding the model
-        try:
-            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
+    die_with_parent()  # the API server's exit takes the core (and the model's memory) along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C and SIGTERM are the API server's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()

@@ -19,8 +19,8 @@ from dolmus.step import decode_plan, encode
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the engine process goes (no orphans holding memory)."""
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent goes (no orphans holding memory)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -31,7 +31,7 @@ def _die_with_parent() -> None:
 def worker_main(
     spec: RunnerSpec, rank: int, world_size: int, plans_addr: str, results_addr: str, port: int
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the engine's to handle
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
