@@ -95,35 +95,38 @@ def test_api_key_and_chat_template_override(tmp_path) -> None:
 
 
 def test_sigterm_drains_then_exits_0(tmp_path) -> None:
-    drain = 3.0
+    drain = 10.0
     server = RemoteServer("--max-num-seqs", "1", "--drain-timeout", str(drain), log=tmp_path / "server.log")
     outcomes: list[str] = []
     first_chunk = threading.Event()
 
-    def stream() -> None:
+    def stream(max_tokens: int) -> None:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
         finish = None
         try:
             for chunk in client.completions.create(
                 model=MODEL,
                 prompt="Once upon a time",
-                max_tokens=480,
+                max_tokens=max_tokens,
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
             ):
                 first_chunk.set()
                 finish = chunk.choices[0].finish_reason or finish if chunk.choices else finish
-        except Exception:  # the connection is cut when the drain times out
+        except Exception:  # the connection is cut when the drain times out (or refused after it)
             pass
         outcomes.append(finish or "cut")
 
-    # One seat, six requests of 480 tokens: more work than the drain timeout allows.
-    threads = [threading.Thread(target=stream) for _ in range(6)]
+    # One seat: a short request in flight (done well within the drain even on a slow, busy
+    # machine), then 30 of 480 tokens queued behind it: far more work than the drain allows.
+    short = threading.Thread(target=stream, args=(150,))
+    queued = [threading.Thread(target=stream, args=(480,)) for _ in range(30)]
     try:
-        for t in threads:
-            t.start()
+        short.start()
         assert first_chunk.wait(60)
+        for t in queued:
+            t.start()
         sent = time.monotonic()
         server.terminate()
         time.sleep(0.5)
@@ -131,7 +134,7 @@ def test_sigterm_drains_then_exits_0(tmp_path) -> None:
             httpx.get(f"{server.url}/health", timeout=2)
         status = server.proc.wait(timeout=drain + 20)
         elapsed = time.monotonic() - sent
-        for t in threads:
+        for t in [short, *queued]:
             t.join(timeout=30)
     finally:
         server.stop()
