@@ -101,8 +101,8 @@ class Engine:
         self.tokenizer = load_tokenizer(str(config.tokenizer or path))
         spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
         self.executor = executor or make_executor(spec)
-        self.num_blocks = self.executor.info.num_blocks
-        capacity = self.num_blocks * config.block_size
+        num_blocks = self.executor.info.num_blocks
+        capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
             logger.warning(
                 "max_model_len lowered from %d to %d: the KV cache holds no more",
@@ -110,7 +110,7 @@ class Engine:
                 capacity,
             )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.resolve_batched_tokens(self.device), self.max_model_len
         )

@@ -233,8 +233,12 @@ class KVCacheManager:
         self._num_published.pop(rid, None)
         self.pool.release(list(reversed(blocks)))
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on (the runner holds the rest)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     # -- counters -------------------------------------------------------------------
 

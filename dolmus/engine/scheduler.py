@@ -177,7 +177,6 @@ class Scheduler:
         for item in scheduled:
             r = item.request
             rid = r.request_id
-            blocks = self.kv.block_ids(rid)
             sent = self._sent_blocks.get(rid)
             if sent is None:
                 plan.new_requests.append(
@@ -188,13 +187,13 @@ class Scheduler:
                         params=r.params,
                         seed=r.seed,
                         stop_token_ids=sorted(r.stop_token_ids),
-                        block_ids=blocks,
+                        block_ids=self.kv.block_ids(rid),
                         num_computed_tokens=r.num_computed_tokens,
                     )
                 )
-            else:
-                plan.running.append(rid, blocks[sent:], r.num_computed_tokens)
-            self._sent_blocks[rid] = len(blocks)
+            else:  # only the blocks gained since the last step, not the whole table again
+                plan.running.append(rid, self.kv.block_ids(rid, sent), r.num_computed_tokens)
+            self._sent_blocks[rid] = self.kv.num_blocks_of(rid)
             plan.num_scheduled_tokens[rid] = item.num_new_tokens
         return plan
 
