@@ -132,23 +132,25 @@ async def _bench(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]
     root = base_url.rstrip("/").removesuffix("/v1")
     api = root + "/v1"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(headers=headers) as http:
-        model = args.model or await _first_model(http, api)
     loads, _ = loads_from_args(args, args.dataset.startswith("trace:"))
     slo = parse_slo(args.slo)
-    client = CompletionsClient(api, model, args.api_key, args.ignore_eos, args.temperature, _extra_body(args))
     runs = []
-    try:
-        for i in range(args.warmup):
-            await client.send(-1, BenchRequest(f"Warm-up request {i}.", 8), 0.0)
-        for i, load in enumerate(loads):
-            requests = load_requests(args, model, run_index=i)
-            before = await scrape(client.http, root)
-            results, duration = await _run_with_progress(client, requests, load, args)
-            after = await scrape(client.http, root)
-            runs.append(make_run(load, results, duration, slo, run_delta(before, after)))
-    finally:
-        await client.close()
+    async with httpx.AsyncClient(headers=headers) as http:
+        model = args.model or await _first_model(http, api)
+        client = CompletionsClient(
+            api, model, args.api_key, args.ignore_eos, args.temperature, _extra_body(args)
+        )
+        try:
+            for i in range(args.warmup):
+                await client.send(-1, BenchRequest(f"Warm-up request {i}.", 8), 0.0)
+            for i, load in enumerate(loads):
+                requests = load_requests(args, model, run_index=i)
+                before = await scrape(http, root)
+                results, duration = await _run_with_progress(client, requests, load, args)
+                after = await scrape(http, root)
+                runs.append(make_run(load, results, duration, slo, run_delta(before, after)))
+        finally:
+            await client.close()
     return runs
 
 
