@@ -38,6 +38,7 @@ from dolmus.engine.core_protocol import (
     to_core_encoder,
 )
 from dolmus.engine.engine import EngineStats, load_tokenizer
+from dolmus.engine.output_delta import OutputAssembler
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.structured.backend import GrammarCache
@@ -76,6 +77,7 @@ class EngineCoreClient:
         self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_adds = 0
+        self._assembler = OutputAssembler()
         self._stats: EngineStats | None = None
         self._error: str | None = None
         self._closing = False
@@ -190,6 +192,7 @@ class EngineCoreClient:
         def leave(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
+                self._assembler.forget(request_id)
                 self.abort(request_id)
 
         async with contextlib.aclosing(stream_outputs(stream, leave)) as outputs:
@@ -218,7 +221,10 @@ class EngineCoreClient:
                 continue
             self._stats = msg.stats
             self._pending_adds -= msg.num_applied_adds
-            for out in msg.outputs:
+            for delta in msg.outputs:
+                out = self._assembler.assemble(delta)
+                if out is None:
+                    continue  # its stream left; the core has its abort on the way
                 if out.finished and self._on_finished is not None:
                     self._on_finished(out)
                 stream = self._streams.get(out.request_id)

@@ -29,6 +29,7 @@ from dolmus.engine.core_protocol import (
     to_core_decoder,
 )
 from dolmus.engine.engine import Engine
+from dolmus.engine.output_delta import DeltaMaker
 from dolmus.executor.worker import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class _CoreLoop:
         self.errors: list[tuple[str, str]] = []
         self.added = 0
         self.applied = False  # a command changed the engine since the last message
+        self.deltas = DeltaMaker()
 
     def run(self) -> None:
         while True:
@@ -141,8 +143,11 @@ class _CoreLoop:
                 self.added += msg.params.n
                 return
         self.engine.abort_request(request_id)
+        self.deltas.forget(request_id)
 
     def _send(self, outputs: list) -> None:
-        msg = StepOutputs(outputs, self.errors, self.added, self.engine.stats())
+        msg = StepOutputs(
+            [self.deltas.make(out) for out in outputs], self.errors, self.added, self.engine.stats()
+        )
         self.errors, self.added, self.applied = [], 0, False
-        self.outbox.send(from_core_encoder.encode(msg), copy=False)
+        self.outbox.send(from_core_encoder.encode(msg))

@@ -1,7 +1,8 @@
 """Messages between the API server and the engine core process (msgspec over ZeroMQ).
 
 Typed msgspec structs: the core decodes straight into SamplingParams and the front end into
-RequestOutput and EngineStats (dataclasses), at a few microseconds per message.
+EngineStats (a dataclass); outputs travel as deltas (output_delta.py), so a step's
+message stays the size of the step's news however long the outputs grow.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from dolmus.engine.engine import EngineStats
-from dolmus.outputs import RequestOutput
+from dolmus.engine.output_delta import OutputDelta
 from dolmus.sampling_params import SamplingParams
 
 
@@ -44,7 +45,7 @@ class LoadFailed(msgspec.Struct, tag=True):
 class StepOutputs(msgspec.Struct, tag=True):
     """What one pass of the core loop produced: outputs, refused requests, a fresh snapshot."""
 
-    outputs: list[RequestOutput]
+    outputs: list[OutputDelta]  # only what is new since each request's previous message
     errors: list[tuple[str, str]]  # (request id, why it was refused)
     num_applied_adds: int  # sequences added to the engine since the last message
     stats: EngineStats
