@@ -74,3 +74,26 @@ def test_prompt_ending_inside_a_character_does_not_spoil_output_bytes(tok):
     for t in output:
         detok.add_tokens([t])
     assert detok.take_delta(True) == '{"nam' == tok.decode(output)
+
+
+def test_stray_bytes_never_silence_the_stream(tok):
+    """Continuation bytes with no lead byte never form a character: after at most four tokens
+    the text so far is streamed (replacement characters included), and a real four-byte
+    character split over four byte tokens still comes out whole."""
+    vocab = tok.get_vocab()
+    stray = [vocab["<0x80>"]] * 12 + [vocab["▁Once"]]
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams())
+    silent = longest = 0
+    for t in stray:
+        detok.add_tokens([t])
+        silent = 0 if detok.take_delta(False) else silent + 1
+        longest = max(longest, silent)
+    assert longest <= 3
+    assert "\ufffd" in detok.text and detok.text.endswith("Once")
+    emoji = [vocab[f"<0x{b:02X}>"] for b in "🙂".encode()]
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams())
+    deltas = []
+    for t in emoji:
+        detok.add_tokens([t])
+        deltas.append(detok.take_delta(False))
+    assert deltas == ["", "", "", "🙂"]

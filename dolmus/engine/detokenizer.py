@@ -3,7 +3,10 @@
 Each new token is decoded in a small window (`prefix_offset`..end) against the same window
 without it, so the cost per token stays flat however long the output grows, and tokenizers
 whose pieces depend on their neighbours (SentencePiece's leading space, byte fallback) come
-out right. Text that ends in an incomplete character ("\\ufffd") waits for the next token.
+out right. Text that ends in an incomplete character ("\\ufffd") waits for the next token, but
+for no more than three: a UTF-8 character is at most four bytes, so a sequence still
+incomplete after four tokens never completes (a model can sample stray bytes) and is
+streamed as it decodes, replacement characters included; a stream never goes silent.
 With stop strings set, the last `max(len(stop)) - 1` characters are held back from the
 stream until it is clear they do not begin a stop string; a stop string is never emitted
 (unless include_stop_str_in_output).
@@ -18,6 +21,8 @@ from dolmus.sampling_params import SamplingParams
 # How many prompt tokens before the output to decode along with it: enough context for a
 # tokenizer to place spaces the way it would in the full text.
 _CONTEXT_TOKENS = 5
+# Most tokens an incomplete character may wait for: UTF-8 needs at most four bytes.
+_MAX_PENDING_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -54,7 +59,8 @@ class IncrementalDetokenizer:
             self.ids.append(token_id)
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            complete = not full.endswith("\ufffd") or len(self.ids) - self.read_offset >= _MAX_PENDING_TOKENS
+            if len(full) > len(prefix) and complete:
                 new_text = full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
                 # Trim the window so memory and decode cost stay flat.
