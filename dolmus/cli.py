@@ -168,6 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from dolmus.server.access import AccessPolicy
     from dolmus.server.launcher import serve
 
     try:
@@ -175,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         server_config = _config_from_args(ServerConfig, args)
         server_config.load_chat_template()
+        AccessPolicy.build(server_config.tiers, server_config.api_key)  # fail before loading a model
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -200,6 +202,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or DOLMUS_API_KEY)")
+    g.add_argument(
+        "--tiers", default=None, help="YAML file of tiers and API keys, each with a tier and quotas"
+    )
     g.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
     g.add_argument("--max-waiting", type=int, default=None, help="answer 429 when more requests wait")
     g.add_argument("--max-n", type=int, default=d.max_n, help="answer 400 to a request with a larger n")

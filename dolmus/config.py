@@ -294,6 +294,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # defaults to the --model argument (or "stories260k")
     api_key: str | None = None  # also read from DOLMUS_API_KEY
+    tiers: str | None = None  # a YAML file of tiers and API keys with quotas (server/access.py)
     chat_template: str | None = None  # a jinja2 file, or the template itself
     max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
     max_n: int = 128  # most samples (`n`) one request may ask for, as OpenAI's limit

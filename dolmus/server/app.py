@@ -7,7 +7,6 @@ engine is up (so an orchestrator can tell "starting" from "dead"), then /health 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,11 +16,12 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dolmus.config import PRIORITY_TIERS, EngineConfig, ServerConfig
+from dolmus.config import EngineConfig, ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
+from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +44,7 @@ class ServerState:
         self.server_config = server_config
         self.model_name = server_config.model_name(engine_config)
         self.chat_template = server_config.load_chat_template()  # fail before loading a model
+        self.access = AccessPolicy.build(server_config.tiers, server_config.api_key)
         self.engine: AsyncEngine | EngineCoreClient | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: EngineMetrics | None = None
@@ -109,9 +110,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     app = FastAPI(title="dolmus", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.dolmus = state
     install_handlers(app)
-    app.add_middleware(
-        GuardMiddleware, api_key=server_config.api_key, max_body_bytes=server_config.max_body_bytes
-    )
+    app.add_middleware(GuardMiddleware, access=state.access, max_body_bytes=server_config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -140,11 +139,15 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     async def completions(
         body: CompletionRequest, raw: Request, x_priority: str | None = Header(None)
     ) -> Any:
-        return await state.ready().completions(body, _priority(body.priority, x_priority), raw)
+        client = _client(raw)
+        priority = _priority(state.access, client, body.priority, x_priority)
+        return await state.ready().completions(body, priority, raw, client)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
-        return await state.ready().chat(body, _priority(body.priority, x_priority), raw)
+        client = _client(raw)
+        priority = _priority(state.access, client, body.priority, x_priority)
+        return await state.ready().chat(body, priority, raw, client)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -172,18 +175,18 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     return app
 
 
-def _priority(body_priority: int | None, header: str | None) -> int:
-    """The request's scheduler priority: the body's `priority` wins over X-Priority."""
-    if body_priority is not None:
-        return body_priority
-    if header is None:
-        return PRIORITY_TIERS["interactive"]
-    tier = PRIORITY_TIERS.get(header.strip().lower())
-    if tier is None:
-        raise APIError(
-            400, f"X-Priority must be one of {', '.join(PRIORITY_TIERS)}, got {header!r}", param="X-Priority"
-        )
-    return tier
+def _client(raw: Request) -> Client:
+    """Who sent the request, as the guard found it (the key's holder)."""
+    return raw.scope["state"]["dolmus_client"]
+
+
+def _priority(access: AccessPolicy, client: Client, body_priority: int | None, header: str | None) -> int:
+    """The request's scheduler priority: the body's `priority` wins over X-Priority; neither
+    may ask for a more urgent tier than the key's."""
+    try:
+        return access.priority_for(client, body_priority if body_priority is not None else header)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="X-Priority") from exc
 
 
 class _BodyTooLarge(HTTPException):
@@ -191,11 +194,14 @@ class _BodyTooLarge(HTTPException):
 
 
 class GuardMiddleware:
-    """API key on every route but /health and /metrics; 413 for bodies over the limit."""
+    """API key on every route but /health and /metrics; 413 for bodies over the limit.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    The key's holder (tier and quotas) goes into the request's state for the routes.
+    """
+
+    def __init__(self, app: ASGIApp, access: AccessPolicy, max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key
+        self.access = access
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -203,11 +209,13 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] not in _OPEN_PATHS and not self._authorized(headers):
+        client = self.access.identify(headers.get("authorization"))
+        if client is None and scope["path"] not in _OPEN_PATHS:
             await _send_error(
                 send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
             )
             return
+        scope.setdefault("state", {})["dolmus_client"] = client
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _send_error(send, 413, self._too_large(), "request_too_large")
@@ -235,13 +243,6 @@ class GuardMiddleware:
         except _BodyTooLarge:
             if not started:
                 await _send_error(send, 413, self._too_large(), "request_too_large")
-
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        assert self.api_key is not None
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)"

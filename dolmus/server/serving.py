@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
+from dolmus.server.access import Client, QuotaExceeded, charge
 from dolmus.server.errors import APIError, error_body
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
 from dolmus.server.tools import (
@@ -49,6 +50,17 @@ class _Job:
     params: SamplingParams
     priority: int
     created: int = field(default_factory=lambda: int(time.time()))
+    client: Client | None = None
+    charged: int = 0  # tokens taken from the client's quota; the unused part goes back at the end
+
+    def settle(self, outputs: Iterable[RequestOutput]) -> None:
+        """Give the client's quota back what the job did not use (once, however it ended)."""
+        if self.client is None or self.client.tokens is None or not self.charged:
+            return
+        used = sum(len(ids) for ids in self.prompts)
+        used += sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        self.client.tokens.give_back(max(self.charged - used, 0))
+        self.charged = 0
 
 
 class OpenAIServing:
@@ -147,6 +159,24 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
+    def _charge(self, job: _Job) -> None:
+        """Take the job from its key's quotas (429 with Retry-After when over)."""
+        if job.client is None:
+            return
+        n = job.params.n
+        tokens = sum(
+            len(ids) + n * (job.params.max_tokens or self.max_model_len - len(ids)) for ids in job.prompts
+        )
+        try:
+            charge(job.client, tokens)
+        except QuotaExceeded as exc:
+            if exc.retry_after is None:
+                raise APIError(400, str(exc), param="max_tokens", code="quota_too_small") from exc
+            raise APIError(
+                429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": exc.retry_after_header}
+            ) from exc
+        job.charged = tokens if job.client.tokens is not None else 0
+
     @staticmethod
     def _params(
         body: CompletionRequest | ChatCompletionRequest,
@@ -189,7 +219,9 @@ class OpenAIServing:
 
     # -- /v1/completions ------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, priority: int, raw: Request) -> Any:
+    async def completions(
+        self, body: CompletionRequest, priority: int, raw: Request, client: Client | None = None
+    ) -> Any:
         self.check_model(body.model)
         self._check_n(body.n)
         if body.suffix:
@@ -201,7 +233,8 @@ class OpenAIServing:
             self._check_length(ids, body.max_tokens, "max_tokens")
         self._check_kv_demand(prompts, body.n, body.max_tokens)
         self._check_room(len(prompts) * body.n)
-        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, priority)
+        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, priority, client=client)
+        self._charge(job)
         echo = texts if body.echo else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -319,7 +352,9 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, priority: int, raw: Request) -> Any:
+    async def chat(
+        self, body: ChatCompletionRequest, priority: int, raw: Request, client: Client | None = None
+    ) -> Any:
         self.check_model(body.model)
         self._check_n(body.n)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -336,7 +371,8 @@ class OpenAIServing:
         )
         self._check_kv_demand([ids], body.n, max_tokens)
         self._check_room(body.n)
-        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority)
+        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority, client=client)
+        self._charge(job)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(self._chat_events(job, include_usage, plan))
@@ -503,6 +539,15 @@ class OpenAIServing:
 
     async def _stream(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt of the job, tagged with the prompt's index, as they come."""
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for p, out in self._merged(job):
+                last[p] = out
+                yield p, out
+        finally:
+            job.settle(last.values())
+
+    async def _merged(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         gens = self._generators(job)
         if len(gens) == 1:
             async for out in _engine_errors(gens[0]):
@@ -533,14 +578,15 @@ class OpenAIServing:
     async def _collect(self, job: _Job, raw: Request) -> list[RequestOutput] | None:
         """Final outputs of every prompt, or None if the client went away first (aborted)."""
 
-        async def last_of(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-            last = None
-            async for out in _engine_errors(gen):
-                last = out
-            assert last is not None and last.finished
-            return last
+        seen: dict[int, RequestOutput] = {}
 
-        tasks = [asyncio.create_task(last_of(g)) for g in self._generators(job)]
+        async def last_of(p: int, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+            async for out in _engine_errors(gen):
+                seen[p] = out
+            assert seen[p].finished
+            return seen[p]
+
+        tasks = [asyncio.create_task(last_of(p, g)) for p, g in enumerate(self._generators(job))]
         watcher = asyncio.create_task(_wait_disconnect(raw))
         try:
             pending: set[asyncio.Task[Any]] = {*tasks, watcher}
@@ -557,6 +603,7 @@ class OpenAIServing:
             for t in unfinished:
                 t.cancel()
             await asyncio.gather(*unfinished, return_exceptions=True)
+            job.settle(seen.values())
 
     def _text_of(self, token_id: int) -> str:
         """A token's text as it reads inside a sequence (with its leading space).

@@ -1,0 +1,234 @@
+"""Who may call the server, in which tier, and how much: API keys, tiers and quotas.
+
+A tiers file (`dolmus serve --tiers FILE`, YAML) names the tiers and the keys:
+
+    tiers:
+      interactive: {priority: 0}
+      batch: {priority: 1}
+    keys:
+      - key: sk-team-a            # or key_env: TEAM_A_KEY (read from the environment)
+        tier: interactive
+        app: team-a               # shown in logs and per-key metrics
+        requests_per_minute: 60
+        tokens_per_minute: 50000  # prompt tokens + max_tokens asked, unused ones given back
+      - key: sk-nightly
+        tier: batch
+
+A tiers-file key's tier is the most urgent its requests may run in: `X-Priority` (or a body `priority`)
+can ask for a less urgent tier, never a more urgent one. Quotas are token buckets (the
+whole minute's allowance may be spent at once, and it refills evenly over the minute); a
+request over its key's quota gets 429 with `Retry-After` saying when it would pass, and a
+request larger than a whole minute's allowance gets 400, since waiting would not help.
+Without a tiers file, `--api-key` is one key with no quota, and no key means an open server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dolmus.config import PRIORITY_TIERS
+
+
+class TokenBucket:
+    """`per_minute` units, all available at once, refilled at per_minute / 60 per second."""
+
+    def __init__(self, per_minute: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = float(per_minute)
+        self.rate = self.capacity / 60.0
+        self.level = self.capacity
+        self.clock = clock
+        self.stamp = clock()
+        self._lock = threading.Lock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` would be available (0: available now); takes nothing."""
+        with self._lock:
+            self._refill()
+            return 0.0 if self.level >= amount else (amount - self.level) / self.rate
+
+    def take(self, amount: float) -> None:
+        with self._lock:
+            self._refill()
+            self.level -= amount
+
+    def give_back(self, amount: float) -> None:
+        with self._lock:
+            self._refill()
+            self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass
+class Client:
+    """A key's holder: its tier and its quotas (None: unlimited)."""
+
+    name: str
+    tier: str
+    priority: int  # of requests that ask for no tier
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    capped: bool = True  # may not ask for a more urgent priority than its tier's
+
+
+@dataclass
+class AccessPolicy:
+    tiers: dict[str, int] = field(default_factory=lambda: dict(PRIORITY_TIERS))  # name -> priority
+    keys: dict[str, Client] = field(default_factory=dict)  # key -> holder
+    anonymous: Client | None = None  # who a request without a key is; None: a key is required
+
+    @classmethod
+    def build(cls, tiers_file: str | None, api_key: str | None) -> AccessPolicy:
+        if tiers_file is not None:
+            if api_key:
+                raise ValueError("tiers: give keys in the tiers file or --api-key, not both")
+            return cls.from_file(tiers_file)
+        most_urgent = min(PRIORITY_TIERS, key=PRIORITY_TIERS.__getitem__)
+        holder = Client("default", most_urgent, PRIORITY_TIERS[most_urgent], capped=False)
+        if api_key:
+            return cls(keys={api_key: holder})
+        return cls(anonymous=holder)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> AccessPolicy:
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"tiers: cannot read {str(path)!r}: {exc}") from exc
+        return cls.from_dict(raw if raw is not None else {})
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> AccessPolicy:
+        if not isinstance(raw, dict) or not set(raw) <= {"tiers", "keys"}:
+            raise ValueError("tiers: the file holds a mapping with `tiers` and `keys`")
+        tiers = _parse_tiers(raw.get("tiers") or dict(PRIORITY_TIERS))
+        keys: dict[str, Client] = {}
+        for i, entry in enumerate(raw.get("keys") or []):
+            key, client = _parse_key(entry, i, tiers)
+            if key in keys:
+                raise ValueError(f"tiers: keys[{i}] repeats a key")
+            keys[key] = client
+        # With no keys the server is open, in the most urgent tier, as without a file.
+        anonymous = None
+        if not keys:
+            name = min(tiers, key=tiers.__getitem__)
+            anonymous = Client("default", name, tiers[name], capped=False)
+        return cls(tiers, keys, anonymous)
+
+    @property
+    def needs_key(self) -> bool:
+        return self.anonymous is None
+
+    def identify(self, authorization: str | None) -> Client | None:
+        """The holder of the bearer key in an Authorization header; None if it is not ours."""
+        if self.anonymous is not None:
+            return self.anonymous
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        given = token.strip().encode()
+        found = None
+        for key, client in self.keys.items():  # compare with every key: no timing hint
+            if hmac.compare_digest(given, key.encode()):
+                found = client
+        return found
+
+    def priority_for(self, client: Client, asked: int | str | None) -> int:
+        """The scheduler priority of a request: what it asked for, never above its key's tier.
+
+        `asked` is a tier name (X-Priority), a number (the body's `priority`) or None.
+        """
+        if asked is None:
+            return client.priority
+        if isinstance(asked, str):
+            name = asked.strip().lower()
+            if name not in self.tiers:
+                raise ValueError(f"X-Priority must be one of {', '.join(self.tiers)}, got {asked!r}")
+            asked = self.tiers[name]
+        return max(asked, client.priority) if client.capped else asked
+
+
+def _parse_tiers(raw: Any) -> dict[str, int]:
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(
+            "tiers: `tiers` maps each tier's name to its settings, e.g. {interactive: {priority: 0}}"
+        )
+    tiers = {}
+    for name, spec in raw.items():
+        priority = spec.get("priority") if isinstance(spec, dict) else spec
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"tiers: tier {name!r} needs an integer priority (lower runs first)")
+        tiers[str(name).lower()] = priority
+    return tiers
+
+
+def _parse_key(entry: Any, i: int, tiers: dict[str, int]) -> tuple[str, Client]:
+    where = f"tiers: keys[{i}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be a mapping with key (or key_env) and tier")
+    unknown = set(entry) - {"key", "key_env", "tier", "app", "requests_per_minute", "tokens_per_minute"}
+    if unknown:
+        raise ValueError(f"{where} has unknown fields: {', '.join(sorted(unknown))}")
+    if ("key" in entry) == ("key_env" in entry):
+        raise ValueError(f"{where} needs exactly one of key and key_env")
+    key = entry.get("key") or os.environ.get(str(entry["key_env"]), "")
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{where}: the key is empty (is {entry.get('key_env')} set?)")
+    tier = str(entry.get("tier", "")).lower()
+    if tier not in tiers:
+        raise ValueError(f"{where}: tier must be one of {', '.join(tiers)}, got {entry.get('tier')!r}")
+    buckets = []
+    for name in ("requests_per_minute", "tokens_per_minute"):
+        limit = entry.get(name)
+        if limit is not None and (
+            not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0
+        ):
+            raise ValueError(f"{where}: {name} must be a positive number")
+        buckets.append(TokenBucket(limit) if limit is not None else None)
+    app = str(entry.get("app") or f"key{i}")
+    return key, Client(app, tier, tiers[tier], *buckets)
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # None: waiting will not help
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after or 0)))
+
+
+def charge(client: Client, tokens: int) -> None:
+    """Take one request and `tokens` from the client's quotas, or raise QuotaExceeded."""
+    if client.tokens is not None and tokens > client.tokens.capacity:
+        raise QuotaExceeded(
+            f"this request needs {tokens} tokens (prompt + max_tokens), more than the key's "
+            f"quota of {client.tokens.capacity:.0f} tokens per minute",
+            None,
+        )
+    waits = []
+    if client.requests is not None and (w := client.requests.wait_for(1)) > 0:
+        waits.append((w, f"{client.requests.capacity:.0f} requests per minute"))
+    if client.tokens is not None and (w := client.tokens.wait_for(tokens)) > 0:
+        waits.append((w, f"{client.tokens.capacity:.0f} tokens per minute"))
+    if waits:
+        wait, what = max(waits)
+        raise QuotaExceeded(f"over the key's quota of {what}: retry in {math.ceil(wait)} s", wait)
+    if client.requests is not None:
+        client.requests.take(1)
+    if client.tokens is not None:
+        client.tokens.take(tokens)

@@ -1,0 +1,135 @@
+"""API keys from a tiers file: each key's tier caps its priority; quotas answer 429 with
+Retry-After; a request bigger than a minute's quota gets 400; keys are checked on every
+model route; a broken tiers file stops `dolmus serve` before a model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import yaml
+from server_helpers import RemoteServer
+
+from dolmus.server.access import AccessPolicy, QuotaExceeded, TokenBucket, charge
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_spends_a_minute_at_once_and_refills_evenly() -> None:
+    clock = Clock()
+    bucket = TokenBucket(60, clock)  # one per second
+    assert bucket.wait_for(60) == 0
+    bucket.take(60)
+    assert bucket.wait_for(1) == pytest.approx(1.0)
+    clock.now += 10
+    assert bucket.wait_for(10) == 0 and bucket.wait_for(15) == pytest.approx(5.0)
+    bucket.give_back(1000)  # never above a minute's worth
+    assert bucket.level == 60
+
+
+def test_policy_caps_priority_at_the_keys_tier_and_charges_quotas() -> None:
+    policy = AccessPolicy.from_dict(
+        {
+            "tiers": {"realtime": {"priority": 0}, "bulk": {"priority": 3}},
+            "keys": [
+                {"key": "rt", "tier": "realtime", "requests_per_minute": 2},
+                {"key": "bk", "tier": "bulk", "tokens_per_minute": 100, "app": "nightly"},
+            ],
+        }
+    )
+    assert policy.needs_key
+    rt, bk = policy.identify("Bearer rt"), policy.identify("bearer  bk ")
+    assert (rt.tier, bk.tier, bk.name) == ("realtime", "bulk", "nightly")
+    assert policy.identify("Bearer nope") is None and policy.identify(None) is None
+    assert policy.priority_for(rt, None) == 0 and policy.priority_for(rt, "bulk") == 3
+    assert policy.priority_for(bk, "realtime") == 3 and policy.priority_for(bk, -5) == 3
+    with pytest.raises(ValueError, match="X-Priority must be one of realtime, bulk"):
+        policy.priority_for(rt, "urgent")
+    charge(rt, 10)
+    charge(rt, 10)
+    with pytest.raises(QuotaExceeded, match="2 requests per minute") as over:
+        charge(rt, 10)
+    assert 25 < over.value.retry_after <= 30 and over.value.retry_after_header in ("29", "30")
+    with pytest.raises(QuotaExceeded, match="more than the key's quota of 100") as huge:
+        charge(bk, 101)
+    assert huge.value.retry_after is None
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"keys": [{"key": "a", "tier": "gold"}]}, "tier must be one of interactive, batch"),
+        ({"keys": [{"key": "a", "tier": "batch"}, {"key": "a", "tier": "batch"}]}, "repeats a key"),
+        ({"keys": [{"tier": "batch"}]}, "exactly one of key and key_env"),
+        ({"keys": [{"key": "a", "tier": "batch", "tokens_per_minute": 0}]}, "positive number"),
+        ({"keys": [{"key": "a", "tier": "batch", "rpm": 3}]}, "unknown fields: rpm"),
+        ({"tiers": {"x": {"priority": "high"}}}, "integer priority"),
+        ({"limits": {}}, "mapping with `tiers` and `keys`"),
+    ],
+)
+def test_broken_tiers_files_are_refused_with_the_reason(raw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AccessPolicy.from_dict(raw)
+
+
+def test_serve_refuses_a_broken_tiers_file_before_loading(tmp_path) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(yaml.safe_dump({"keys": [{"key": "a", "tier": "gold"}]}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dolmus.cli", "serve", "--tiers", str(path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "tier must be one of" in proc.stderr
+
+
+def test_keys_tiers_and_quotas_through_the_server(tmp_path) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "keys": [
+                    {"key": "sk-live", "tier": "interactive", "requests_per_minute": 2},
+                    {"key_env": "NIGHTLY_KEY", "tier": "batch", "tokens_per_minute": 400},
+                ]
+            }
+        )
+    )
+    with RemoteServer("--tiers", str(path), env={"NIGHTLY_KEY": "sk-night"}) as server:
+        live = openai.OpenAI(base_url=server.base_url, api_key="sk-live", max_retries=0)
+        night = openai.OpenAI(base_url=server.base_url, api_key="sk-night", max_retries=0)
+        nobody = openai.OpenAI(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            nobody.models.list()
+        assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+
+        # Two requests a minute for the live key, then 429 with a Retry-After in seconds.
+        for _ in range(2):
+            live.completions.create(model="stories260k", prompt="Once", max_tokens=4)
+        with pytest.raises(openai.RateLimitError) as over:
+            live.completions.create(model="stories260k", prompt="Once", max_tokens=4)
+        retry_after = int(over.value.response.headers["retry-after"])
+        assert 1 <= retry_after <= 30 and "2 requests per minute" in over.value.message
+
+        # 400 tokens a minute for the nightly key: prompt + max_tokens are charged and what is
+        # not generated comes back, so a short answer leaves room for the next request.
+        for _ in range(3):
+            out = night.completions.create(model="stories260k", prompt="Once", max_tokens=300, stop=["."])
+            assert out.usage.total_tokens < 300
+        with pytest.raises(openai.BadRequestError, match="more than the key's quota of 400"):
+            night.completions.create(model="stories260k", prompt="Once", max_tokens=450)
+
+        # The batch key may not claim the interactive tier: its request still runs (as batch).
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "stories260k", "prompt": "Once", "max_tokens": 4, "priority": -3},
+            headers={"Authorization": "Bearer sk-night", "X-Priority": "interactive"},
+        )
+        assert r.status_code == 200
