@@ -4,9 +4,11 @@ stories260k (where Python overhead, not arithmetic, bounds a step), 128 requests
 prompt and 128 output tokens, greedy, EOS ignored: first offline through LLM.generate, then
 through `dolmus serve` with the step loop on a thread of the API process (`--engine-core
 thread`) and in its own process (`--engine-core process`), each loaded with 128 concurrent
-streams by `dolmus bench`. Runs are interleaved (offline, thread, process, ...); the CPU
-pressure of each run is printed and runs over 5% flagged (the load generator itself shares
-the machine's cores with the server, as a real client on the same host would).
+streams by `dolmus bench`; and "core": the engine core process driven straight from asyncio
+through its client (no HTTP), which is what the split itself costs. Runs are interleaved
+(offline, core, thread, process, ...); the CPU pressure of each run is printed and runs
+over 5% flagged (the load generator itself shares the machine's cores with the server, as
+a real client on the same host would).
 
     python benchmarks/serve_vs_offline.py [--rounds 2] [--requests 128] [--output-len 128] [--num-threads N]
 """
@@ -49,6 +51,38 @@ def offline(requests: int, output_len: int, threads: int | None) -> float:
     return requests * output_len / (time.perf_counter() - start)
 
 
+def core_direct(requests: int, output_len: int, threads: int | None) -> float:
+    import asyncio
+
+    from dolmus.bench.dataset import PromptMaker
+    from dolmus.config import EngineConfig
+    from dolmus.engine.core_client import EngineCoreClient
+    from dolmus.sampling_params import SamplingParams
+
+    async def run() -> float:
+        client = EngineCoreClient(EngineConfig(num_threads=threads, max_num_seqs=requests))
+        await client.start()
+        assert client.engine is not None
+        maker = PromptMaker(client.engine.tokenizer, seed=0)
+        prompts = [maker.ids(PROMPT_LEN) for _ in range(requests)]
+
+        async def one(rid: str, prompt: list[int], params: SamplingParams) -> None:
+            async for _ in client.generate(rid, prompt, params):
+                pass
+
+        try:
+            warm = SamplingParams(temperature=0, max_tokens=8)
+            await asyncio.gather(*(one(f"w{i}", prompts[i], warm) for i in range(4)))
+            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            start = time.perf_counter()
+            await asyncio.gather(*(one(f"r{i}", p, params) for i, p in enumerate(prompts)))
+            return requests * output_len / (time.perf_counter() - start)
+        finally:
+            await client.shutdown()
+
+    return asyncio.run(run())
+
+
 def served(mode: str, requests: int, output_len: int, threads: int | None) -> float:
     extra = f" --num-threads {threads}" if threads else ""
     with tempfile.TemporaryDirectory() as out:
@@ -71,16 +105,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"offline": [], "thread": [], "process": []}
+    results: dict[str, list[float]] = {"offline": [], "core": [], "thread": [], "process": []}
     for r in range(args.rounds):
         for name in results:
             before, t0 = cpu_pressure_total(), time.monotonic()
             if name == "offline":
                 value = offline(args.requests, args.output_len, args.num_threads)
+            elif name == "core":
+                value = core_direct(args.requests, args.output_len, args.num_threads)
             else:
                 value = served(name, args.requests, args.output_len, args.num_threads)
             share = (cpu_pressure_total() - before) / 1e6 / (time.monotonic() - t0)
-            flag = "  (disturbed)" if share > 0.05 and name == "offline" else ""
+            flag = "  (disturbed)" if share > 0.05 and name in ("offline", "core") else ""
             print(f"round {r + 1} {name:8s} {value:8.1f} output tok/s   cpu pressure {share:5.1%}{flag}")
             results[name].append(value)
     best = {k: max(v) for k, v in results.items()}

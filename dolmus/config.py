@@ -304,8 +304,8 @@ class ServerConfig:
     log_level: str = "info"
     # thread: the step loop on a thread of the API server's process; process: in its own
     # process (HTTP work never takes its interpreter). Thread is the default while the split
-    # does not serve faster here (benchmarks/serve_vs_offline.py on 2 cores: 0.55x vs 0.45x of
-    # offline with 2 torch threads, 0.78x vs 0.78x with 1).
+    # does not serve faster here (benchmarks/serve_vs_offline.py on 2 cores: 0.65x vs 0.57x of
+    # offline with 2 torch threads, 0.54x vs 0.60x with 1).
     engine_core: str = choice("thread", ("thread", "process"))
 
     def __post_init__(self) -> None:
