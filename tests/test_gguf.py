@@ -33,6 +33,26 @@ def _texts(llm: LLM) -> list[str]:
     ]
 
 
+def test_loading_a_gguf_parses_its_metadata_once(tmp_path, monkeypatch) -> None:
+    """Config, tokenizer (both through transformers) and weights share one parsed reader:
+    parsing the metadata is what made opening a chat model's GGUF take seconds."""
+    import gguf.gguf_reader
+
+    out = tmp_path / "stories.gguf"
+    _convert(DEFAULT_MODEL_DIR, out, "f32")
+    parses = []
+    real_init = gguf.gguf_reader.GGUFReader.__init__
+
+    def counting_init(self, path, *args, **kwargs):
+        parses.append(str(path))
+        real_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.gguf_reader.GGUFReader, "__init__", counting_init)
+    llm = LLM(model=str(out), dtype="float32")
+    assert len(parses) == 1
+    assert _texts(llm) == _texts(LLM(dtype="float32"))
+
+
 def test_stories260k_round_trip(tmp_path) -> None:
     reference = _texts(LLM(dtype="float32"))
     for kind in ("f32", "q8_0"):  # q8_0: the same greedy story from 8-bit blocks

@@ -12,6 +12,8 @@ Mistral) those rows are permuted back to Hugging Face's halves.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +60,8 @@ def gguf_config(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
-        raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        with _shared_reader(path):
+            raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except Exception as exc:  # transformers raises several kinds for unknown or broken files
         raise ValueError(f"model: cannot read GGUF metadata from {str(path)!r} ({exc})") from exc
     raw["architectures"] = [registry.architecture_for_gguf(raw.get("model_type")).name]
@@ -70,10 +73,62 @@ def gguf_config(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _metadata_int(path: Path, key: str) -> int | None:
+def _reader(path: Path) -> Any:
+    """The file's GGUFReader, parsed once per process for every read of ours.
+
+    Parsing is the slow part of opening a GGUF (the reader walks every metadata field in
+    Python: ~50k tokenizer strings in a small chat model); the tensors themselves stay
+    memory-mapped, so holding the reader costs no copy of the weights.
+    """
+    stat = path.stat()
+    return _cached_reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf.gguf_reader import GGUFReader  # the class itself, never the stand-in below
+
+    class PlainViewReader(GGUFReader):
+        """The reader over a plain ndarray view of its memory map: np.memmap runs Python code
+        (__array_finalize__, __getitem__) for each of the ~10^5 small views the parser
+        takes; a plain view of the same mapping (no copy: it keeps the map as its base)
+        does not."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = np.asarray(value)
+
+    return PlainViewReader(path)
+
+
+@contextlib.contextmanager
+def _shared_reader(path: Path) -> Iterator[None]:
+    """transformers opens the file with its own GGUFReader for the config and again for the
+    tokenizer (`from gguf import GGUFReader` at call time); for the duration, hand it ours
+    for this file, so the metadata is parsed once in all. Other files get a fresh reader."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    original = gguf.GGUFReader
+    ours = str(path.resolve())
+
+    def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and str(Path(p).resolve()) == ours:
+            return _reader(path)
+        return original(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _metadata_int(path: Path, key: str) -> int | None:
+    reader = _reader(path)
     arch_field = reader.get_field("general.architecture")
     if arch_field is None:
         return None
@@ -85,7 +140,8 @@ def _metadata_int(path: Path, key: str) -> int | None:
 def gguf_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _shared_reader(path):
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -97,7 +153,7 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _reader(path)
     bar = None
     if progress:
         from tqdm import tqdm
