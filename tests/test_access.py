@@ -64,6 +64,16 @@ def test_policy_caps_priority_at_the_keys_tier_and_charges_quotas() -> None:
     assert huge.value.retry_after is None
 
 
+def test_tiers_carry_targets_and_count_unnamed_priorities_in_the_nearest_tier() -> None:
+    policy = AccessPolicy.from_dict(
+        {"tiers": {"rt": {"priority": 0, "ttft_target": 0.5, "tpot_target": 0.05}, "bulk": {"priority": 4}}}
+    )
+    rt, bulk = policy.tiers["rt"], policy.tiers["bulk"]
+    assert rt.met(0.4, 0.04) and not rt.met(0.6, 0.04) and not rt.met(0.4, 0.06) and not rt.met(None, None)
+    assert bulk.met(100.0, 10.0)  # no targets: every finished request counts as met
+    assert [policy.tier_of(p).name for p in (-3, 0, 2, 4, 9)] == ["rt", "rt", "rt", "bulk", "bulk"]
+
+
 @pytest.mark.parametrize(
     "raw, message",
     [
@@ -73,6 +83,8 @@ def test_policy_caps_priority_at_the_keys_tier_and_charges_quotas() -> None:
         ({"keys": [{"key": "a", "tier": "batch", "tokens_per_minute": 0}]}, "positive number"),
         ({"keys": [{"key": "a", "tier": "batch", "rpm": 3}]}, "unknown fields: rpm"),
         ({"tiers": {"x": {"priority": "high"}}}, "integer priority"),
+        ({"tiers": {"x": {"priority": 0, "ttft_target": -1}}}, "positive number of seconds"),
+        ({"tiers": {"x": {"priority": 0, "slo": 1}}}, "unknown fields: slo"),
         ({"limits": {}}, "mapping with `tiers` and `keys`"),
     ],
 )
@@ -95,10 +107,15 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path) -> None:
     path.write_text(
         yaml.safe_dump(
             {
+                # interactive's targets are always met here; batch's TTFT target never is.
+                "tiers": {
+                    "interactive": {"priority": 0, "ttft_target": 600, "tpot_target": 600},
+                    "batch": {"priority": 1, "ttft_target": 1e-9},
+                },
                 "keys": [
                     {"key": "sk-live", "tier": "interactive", "requests_per_minute": 2},
                     {"key_env": "NIGHTLY_KEY", "tier": "batch", "tokens_per_minute": 400},
-                ]
+                ],
             }
         )
     )
@@ -133,3 +150,11 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path) -> None:
             headers={"Authorization": "Bearer sk-night", "X-Priority": "interactive"},
         )
         assert r.status_code == 200
+
+        # Per-tier metrics: only requests that reached the engine, each under its tier.
+        m = server.metrics()
+        assert m['dolmus:tier_requests_total{tier="interactive"}'] == 2
+        assert m['dolmus:tier_slo_met_total{tier="interactive"}'] == 2
+        assert m['dolmus:tier_requests_total{tier="batch"}'] == 4
+        assert m.get('dolmus:tier_slo_met_total{tier="batch"}', 0) == 0
+        assert m['dolmus:tier_time_to_first_token_seconds_count{tier="batch"}'] == 4

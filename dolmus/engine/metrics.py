@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -63,6 +63,29 @@ class EngineMetrics:
             "dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
         )
         self.registry.register(_StatsCollector(model_name, stats, cost_per_hour))
+        # Per tier (the server's tiers file names them; a fixed set, so bounded labels).
+        by_tier = ["model_name", "tier"]
+        self._tier_ttft = Histogram(
+            "dolmus:tier_time_to_first_token_seconds", "Time to first token, by tier.", by_tier,
+            buckets=_TTFT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._tier_tpot = Histogram(
+            "dolmus:tier_request_time_per_output_token_seconds", "Mean time per output token, by tier.",
+            by_tier, buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._tier_queue = Histogram(
+            "dolmus:tier_request_queue_time_seconds", "Arrival to first scheduled, by tier.", by_tier,
+            buckets=_REQUEST_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._tier_finished = Counter(
+            "dolmus:tier_requests", "Finished requests, by tier.", by_tier, registry=self.registry
+        )
+        self._tier_met = Counter(
+            "dolmus:tier_slo_met",
+            "Finished requests that met every TTFT/TPOT target of their tier (goodput: its rate).",
+            by_tier,
+            registry=self.registry,
+        )
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Record the latencies of every completion of a finished request."""
@@ -80,6 +103,23 @@ class EngineMetrics:
                 self.e2e.observe(m.e2e_latency)
             for gap in m.itl:
                 self.itl.observe(gap)
+
+    def observe_tier(self, tier: str, output: RequestOutput, slo_met: bool) -> None:
+        """Record a finished request under its tier, and whether it met the tier's targets."""
+        labels = (self.model_name, tier)
+        for completion in output.outputs:
+            m = completion.metrics
+            if m is None:
+                continue
+            if m.ttft is not None:
+                self._tier_ttft.labels(*labels).observe(m.ttft)
+            if m.tpot is not None:
+                self._tier_tpot.labels(*labels).observe(m.tpot)
+            if m.queue_time is not None:
+                self._tier_queue.labels(*labels).observe(m.queue_time)
+        self._tier_finished.labels(*labels).inc()
+        if slo_met:
+            self._tier_met.labels(*labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,7 @@
 A tiers file (`dolmus serve --tiers FILE`, YAML) names the tiers and the keys:
 
     tiers:
-      interactive: {priority: 0}
+      interactive: {priority: 0, ttft_target: 0.5, tpot_target: 0.05}   # seconds, optional
       batch: {priority: 1}
     keys:
       - key: sk-team-a            # or key_env: TEAM_A_KEY (read from the environment)
@@ -20,6 +20,10 @@ whole minute's allowance may be spent at once, and it refills evenly over the mi
 request over its key's quota gets 429 with `Retry-After` saying when it would pass, and a
 request larger than a whole minute's allowance gets 400, since waiting would not help.
 Without a tiers file, `--api-key` is one key with no quota, and no key means an open server.
+
+A tier's TTFT and TPOT targets are what its SLO metrics count against
+(`dolmus:tier_slo_met_total`); a request whose priority names no tier is counted in the
+most urgent tier at least as lax as it (so the label set stays the tiers file's).
 """
 
 from __future__ import annotations
@@ -72,6 +76,24 @@ class TokenBucket:
             self.level = min(self.capacity, self.level + amount)
 
 
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    priority: int  # lower runs first
+    ttft_target: float | None = None  # seconds
+    tpot_target: float | None = None  # seconds
+
+    def met(self, ttft: float | None, tpot: float | None) -> bool:
+        """Whether a request with these latencies met every target the tier sets."""
+        if self.ttft_target is not None and (ttft is None or ttft > self.ttft_target):
+            return False
+        return self.tpot_target is None or tpot is None or tpot <= self.tpot_target
+
+
+def _default_tiers() -> dict[str, Tier]:
+    return {name: Tier(name, priority) for name, priority in PRIORITY_TIERS.items()}
+
+
 @dataclass
 class Client:
     """A key's holder: its tier and its quotas (None: unlimited)."""
@@ -86,7 +108,7 @@ class Client:
 
 @dataclass
 class AccessPolicy:
-    tiers: dict[str, int] = field(default_factory=lambda: dict(PRIORITY_TIERS))  # name -> priority
+    tiers: dict[str, Tier] = field(default_factory=_default_tiers)
     keys: dict[str, Client] = field(default_factory=dict)  # key -> holder
     anonymous: Client | None = None  # who a request without a key is; None: a key is required
 
@@ -124,8 +146,8 @@ class AccessPolicy:
         # With no keys the server is open, in the most urgent tier, as without a file.
         anonymous = None
         if not keys:
-            name = min(tiers, key=tiers.__getitem__)
-            anonymous = Client("default", name, tiers[name], capped=False)
+            first = min(tiers.values(), key=lambda t: t.priority)
+            anonymous = Client("default", first.name, first.priority, capped=False)
         return cls(tiers, keys, anonymous)
 
     @property
@@ -157,25 +179,47 @@ class AccessPolicy:
             name = asked.strip().lower()
             if name not in self.tiers:
                 raise ValueError(f"X-Priority must be one of {', '.join(self.tiers)}, got {asked!r}")
-            asked = self.tiers[name]
+            asked = self.tiers[name].priority
         return max(asked, client.priority) if client.capped else asked
 
+    def tier_of(self, priority: int) -> Tier:
+        """The tier a request of this priority is counted in: the most urgent one at least as
+        lax as it, or the most urgent tier of all when it is more urgent than every one."""
+        ordered = sorted(self.tiers.values(), key=lambda t: t.priority)
+        found = ordered[0]
+        for tier in ordered:
+            if tier.priority <= priority:
+                found = tier
+        return found
 
-def _parse_tiers(raw: Any) -> dict[str, int]:
+
+def _parse_tiers(raw: Any) -> dict[str, Tier]:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
             "tiers: `tiers` maps each tier's name to its settings, e.g. {interactive: {priority: 0}}"
         )
     tiers = {}
     for name, spec in raw.items():
-        priority = spec.get("priority") if isinstance(spec, dict) else spec
+        spec = spec if isinstance(spec, dict) else {"priority": spec}
+        unknown = set(spec) - {"priority", "ttft_target", "tpot_target"}
+        if unknown:
+            raise ValueError(f"tiers: tier {name!r} has unknown fields: {', '.join(sorted(unknown))}")
+        priority = spec.get("priority")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"tiers: tier {name!r} needs an integer priority (lower runs first)")
-        tiers[str(name).lower()] = priority
+        targets = []
+        for key in ("ttft_target", "tpot_target"):
+            value = spec.get(key)
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"tiers: tier {name!r}: {key} must be a positive number of seconds")
+            targets.append(float(value) if value is not None else None)
+        tiers[str(name).lower()] = Tier(str(name).lower(), priority, *targets)
     return tiers
 
 
-def _parse_key(entry: Any, i: int, tiers: dict[str, int]) -> tuple[str, Client]:
+def _parse_key(entry: Any, i: int, tiers: dict[str, Tier]) -> tuple[str, Client]:
     where = f"tiers: keys[{i}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a mapping with key (or key_env) and tier")
@@ -199,7 +243,7 @@ def _parse_key(entry: Any, i: int, tiers: dict[str, int]) -> tuple[str, Client]:
             raise ValueError(f"{where}: {name} must be a positive number")
         buckets.append(TokenBucket(limit) if limit is not None else None)
     app = str(entry.get("app") or f"key{i}")
-    return key, Client(app, tier, tiers[tier], *buckets)
+    return key, Client(app, tier, tiers[tier].priority, *buckets)
 
 
 class QuotaExceeded(Exception):

@@ -21,6 +21,7 @@ from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
+from dolmus.outputs import RequestOutput
 from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.protocol import (
@@ -51,17 +52,27 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.on_load_failure: Callable[[], None] | None = None
 
+    def _observe_finished(self, out: RequestOutput) -> None:
+        """Latency metrics of a finished request, overall and under its tier."""
+        assert self.metrics is not None
+        self.metrics.observe_finished(out)
+        priority = self.serving.in_flight.get(out.request_id) if self.serving is not None else None
+        if priority is None:
+            return
+        tier = self.access.tier_of(priority)
+        met = all(tier.met(c.metrics.ttft, c.metrics.tpot) for c in out.outputs if c.metrics is not None)
+        self.metrics.observe_tier(tier.name, out, met)
+
     async def load(self) -> None:
-        holder: list[EngineMetrics] = []
         try:
             if self.server_config.engine_core == "process":
                 engine: AsyncEngine | EngineCoreClient = EngineCoreClient(
-                    self.engine_config, on_finished=lambda out: holder[0].observe_finished(out)
+                    self.engine_config, on_finished=self._observe_finished
                 )
                 await engine.start()
             else:
                 local = await asyncio.to_thread(Engine, self.engine_config, True)
-                engine = AsyncEngine(local, on_finished=lambda out: holder[0].observe_finished(out))
+                engine = AsyncEngine(local, on_finished=self._observe_finished)
                 engine.start()
         except BaseException as exc:
             self.load_error = exc
@@ -70,7 +81,6 @@ class ServerState:
                 self.on_load_failure()
             return
         metrics = EngineMetrics(self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost)
-        holder.append(metrics)
         engine.engine.grammars.on_compiled = metrics.grammar_compile.observe
         self.metrics = metrics
         self.engine = engine

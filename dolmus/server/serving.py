@@ -80,6 +80,9 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
+        # Engine request id -> priority, while the request's job runs: the server's per-tier
+        # metrics look up a finished output's tier here.
+        self.in_flight: dict[str, int] = {}
         self._token_text: dict[int, str] = {}
         self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
 
@@ -532,10 +535,16 @@ class OpenAIServing:
         }
 
     def _generators(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
-        return [
-            self.engine.generate(f"{job.request_id}-{p}", ids, job.params, job.priority)
-            for p, ids in enumerate(job.prompts)
-        ]
+        gens = []
+        for p, ids in enumerate(job.prompts):
+            rid = f"{job.request_id}-{p}"
+            self.in_flight[rid] = job.priority
+            gens.append(self.engine.generate(rid, ids, job.params, job.priority))
+        return gens
+
+    def _done(self, job: _Job) -> None:
+        for p in range(len(job.prompts)):
+            self.in_flight.pop(f"{job.request_id}-{p}", None)
 
     async def _stream(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt of the job, tagged with the prompt's index, as they come."""
@@ -546,6 +555,7 @@ class OpenAIServing:
                 yield p, out
         finally:
             job.settle(last.values())
+            self._done(job)
 
     async def _merged(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         gens = self._generators(job)
@@ -604,6 +614,7 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*unfinished, return_exceptions=True)
             job.settle(seen.values())
+            self._done(job)
 
     def _text_of(self, token_id: int) -> str:
         """A token's text as it reads inside a sequence (with its leading space).
