@@ -102,7 +102,8 @@ def test_serve_refuses_a_broken_tiers_file_before_loading(tmp_path) -> None:
     assert proc.returncode == 2 and "tier must be one of" in proc.stderr
 
 
-def test_keys_tiers_and_quotas_through_the_server(tmp_path) -> None:
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_keys_tiers_and_quotas_through_the_server(tmp_path, engine_core) -> None:
     path = tmp_path / "tiers.yaml"
     path.write_text(
         yaml.safe_dump(
@@ -119,7 +120,9 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path) -> None:
             }
         )
     )
-    with RemoteServer("--tiers", str(path), env={"NIGHTLY_KEY": "sk-night"}) as server:
+    with RemoteServer(
+        "--tiers", str(path), "--engine-core", engine_core, env={"NIGHTLY_KEY": "sk-night"}
+    ) as server:
         live = openai.OpenAI(base_url=server.base_url, api_key="sk-live", max_retries=0)
         night = openai.OpenAI(base_url=server.base_url, api_key="sk-night", max_retries=0)
         nobody = openai.OpenAI(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
