@@ -193,6 +193,10 @@ class AccessPolicy:
         return found
 
 
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _parse_tiers(raw: Any) -> dict[str, Tier]:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
@@ -210,9 +214,7 @@ def _parse_tiers(raw: Any) -> dict[str, Tier]:
         targets = []
         for key in ("ttft_target", "tpot_target"):
             value = spec.get(key)
-            if value is not None and (
-                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
-            ):
+            if value is not None and not _is_positive_number(value):
                 raise ValueError(f"tiers: tier {name!r}: {key} must be a positive number of seconds")
             targets.append(float(value) if value is not None else None)
         tiers[str(name).lower()] = Tier(str(name).lower(), priority, *targets)
@@ -237,9 +239,7 @@ def _parse_key(entry: Any, i: int, tiers: dict[str, Tier]) -> tuple[str, Client]
     buckets = []
     for name in ("requests_per_minute", "tokens_per_minute"):
         limit = entry.get(name)
-        if limit is not None and (
-            not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0
-        ):
+        if limit is not None and not _is_positive_number(limit):
             raise ValueError(f"{where}: {name} must be a positive number")
         buckets.append(TokenBucket(limit) if limit is not None else None)
     app = str(entry.get("app") or f"key{i}")
