@@ -54,6 +54,52 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "native")  # runtime/attention's registry, plus auto
 
 
+ADMISSION_POLICIES = ("serve", "refuse", "demote")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One scheduling tier as the engine sees it (`dolmus serve --tiers FILE` sets these).
+
+    The reserved shares (of `max_num_seqs`, of the KV blocks and of each step's token budget)
+    are guarantees, not partitions: other tiers borrow whatever a tier leaves unused and
+    give it back by preemption (seats, blocks) or at the next step (tokens) when it needs it.
+    """
+
+    priority: int  # the requests of this priority and laxer ones up to the next tier's
+    reserved_seats: float = 0.0  # shares in [0, 1)
+    reserved_kv: float = 0.0
+    reserved_tokens: float = 0.0
+    max_queue_wait: float | None = None  # seconds before the first step; then refused (429)
+    ttft_target: float | None = None  # seconds; what admission checks the queue ahead against
+    admission: str = "serve"  # a request that would miss ttft_target: serve | refuse | demote
+
+    def __post_init__(self) -> None:
+        for name in ("reserved_seats", "reserved_kv", "reserved_tokens"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} is a share in [0, 1), got {value}")
+        for name in ("max_queue_wait", "ttft_target"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive seconds, got {value}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
+        if self.admission != "serve" and self.ttft_target is None:
+            raise ValueError(f"admission {self.admission!r} needs a ttft_target")
+
+
+def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
+    """Distinct priorities, and no resource reserved past the whole of it."""
+    priorities = [t.priority for t in tiers]
+    if len(set(priorities)) != len(priorities):
+        raise ValueError(f"tiers: two tiers share a priority ({sorted(priorities)})")
+    for name in ("reserved_seats", "reserved_kv", "reserved_tokens"):
+        total = sum(getattr(t, name) for t in tiers)
+        if total >= 1.0:
+            raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
+
+
 @dataclass
 class EngineConfig:
     """Everything a user can set on an engine. `None` means "derive it from the model"."""
@@ -83,6 +129,8 @@ class EngineConfig:
     attention_backend: str = choice("auto", ATTENTION_BACKENDS)
     # uni: the model runs in the engine's process; mp: in a worker process fed each step's plan
     executor: str = choice("uni", ("uni", "mp"))
+    # Scheduling tiers with reservations and admission rules; none: strict priority order.
+    tier_specs: tuple[TierSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -96,6 +144,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         check_choices(self)
+        self.tier_specs = tuple(self.tier_specs)
+        check_tiers(self.tier_specs)
 
     @property
     def model_path(self) -> Path:

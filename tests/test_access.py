@@ -4,6 +4,7 @@ model route; a broken tiers file stops `dolmus serve` before a model loads."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 
@@ -161,3 +162,71 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path, engine_core) -> None
         assert m['dolmus:tier_requests_total{tier="batch"}'] == 4
         assert m.get('dolmus:tier_slo_met_total{tier="batch"}', 0) == 0
         assert m['dolmus:tier_time_to_first_token_seconds_count{tier="batch"}'] == 4
+
+
+def test_tiers_file_scheduling_fields_reach_the_engine() -> None:
+    policy = AccessPolicy.from_dict(
+        {
+            "tiers": {
+                "rt": {"priority": 0, "ttft_target": 0.5, "reserved_seats": 0.25, "admission": "refuse"},
+                "bulk": {"priority": 3, "max_queue_wait": 30},
+            }
+        }
+    )
+    rt, bulk = sorted(policy.engine_tiers(), key=lambda t: t.priority)
+    assert (rt.reserved_seats, rt.ttft_target, rt.admission) == (0.25, 0.5, "refuse")
+    assert (bulk.priority, bulk.max_queue_wait, bulk.admission) == (3, 30.0, "serve")
+    assert AccessPolicy.from_dict({"tiers": {"a": 0, "b": 1}}).engine_tiers() == ()  # nothing to enforce
+    for raw, message in [
+        ({"a": {"priority": 0, "reserved_kv": 1.5}}, "share in"),
+        ({"a": {"priority": 0, "admission": "refuse"}}, "needs a ttft_target"),
+        ({"a": {"priority": 0, "reserved_tokens": 0.7}, "b": {"priority": 1, "reserved_tokens": 0.4}}, "add up"),
+        ({"a": {"priority": 0, "max_queue_wait": 0}}, "positive number of seconds"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            AccessPolicy.from_dict({"tiers": raw})
+
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_tier_rules_refuse_with_429_through_the_server(tmp_path, engine_core) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": {
+                    # A target no request can meet: once a step is timed, every request is refused.
+                    "interactive": {"priority": 0, "ttft_target": 1e-6, "admission": "refuse"},
+                    "batch": {"priority": 1, "max_queue_wait": 0.05},
+                    "bulk": {"priority": 2},
+                }
+            }
+        )
+    )
+    with RemoteServer("--tiers", str(path), "--engine-core", engine_core, "--max-num-seqs", "1") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+        def ask(tier: str, max_tokens: int = 4, **kw):
+            return client.completions.create(
+                model="stories260k", prompt="Once", max_tokens=max_tokens,
+                extra_headers={"X-Priority": tier}, **kw,
+            )
+
+        ask("bulk")  # times a step: the estimate has data from now on
+        with pytest.raises(openai.RateLimitError, match="time-to-first-token target") as refused:
+            ask("interactive")
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.code == "slo_unattainable"
+
+        # The only seat is held by a long batch request, which its equal may not preempt: a
+        # second batch request waits past batch's max_queue_wait and is refused.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(ask, "batch", 400, extra_body={"ignore_eos": True})
+            while server.metrics().get("dolmus:num_requests_running", 0) < 1:
+                pass
+            with pytest.raises(openai.RateLimitError, match="max_queue_wait") as late:
+                ask("batch")
+            assert late.value.code == "queue_timeout"
+            assert long.result().usage.completion_tokens == 400  # the running one is untouched
+        m = server.metrics()
+        assert m["dolmus:admission_refused_total"] == 1 and m["dolmus:queue_timeouts_total"] == 1
+        ask("bulk")  # the engine is fine afterwards

@@ -203,7 +203,10 @@ def test_replay_two_configs_side_by_side_with_tiers(tmp_path, capsys) -> None:
     trace = tmp_path / "trace.jsonl"
     _write_trace(trace, 18, rate=15)
     (tmp_path / "tight.yaml").write_text("name: tight\nmax_num_seqs: 2\nmax_num_batched_tokens: 32\n")
-    (tmp_path / "roomy.yaml").write_text("name: roomy\nmax_num_seqs: 32\n")
+    (tmp_path / "roomy.yaml").write_text(
+        "name: roomy\nmax_num_seqs: 32\n"
+        "tiers:\n  interactive: {priority: 0, reserved_tokens: 0.25}\n  batch: {priority: 1}\n"
+    )
     code = main(
         [
             "replay",
@@ -233,6 +236,8 @@ def test_replay_two_configs_side_by_side_with_tiers(tmp_path, capsys) -> None:
     results = _check_outputs(tmp_path / "out")
     tight, roomy = results["runs"]
     assert tight["config"]["max_num_seqs"] == 2 and roomy["config"]["max_num_seqs"] == 32
+    assert roomy["config"]["tier_specs"][0]["reserved_tokens"] == 0.25 and "--tiers FILE" in roomy["flags"]
+    assert "tier_specs" not in tight["config"]
     for run in (tight, roomy):
         assert run["summary"]["completed"] == 18
         assert run["tiers"]["batch"]["requests"] + run["tiers"]["interactive"]["requests"] == 18

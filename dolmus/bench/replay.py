@@ -2,7 +2,9 @@
 
 Each configuration is a YAML file of EngineConfig fields plus optional `name` and
 `tier_priorities` (the scheduler priority of each trace tier; default interactive=0,
-batch=1; `tier_priorities: {}` turns tiers off). The trace is replayed in real time (or
+batch=1; `tier_priorities: {}` turns tiers off), or instead `tiers`, in the tiers file's
+format (`dolmus serve --tiers`), which also sets each tier's reservations, queue wait and
+admission rule. The trace is replayed in real time (or
 scaled by --speed) against an AsyncEngine on this process, and each request's latencies are
 the engine's own timings (arrival to first token, token gaps, queue time).
 """
@@ -26,8 +28,9 @@ from dolmus.bench.dataset import BenchRequest, PromptMaker, load_trace
 from dolmus.bench.loadgen import Load, RequestResult, run_load
 from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
-from dolmus.config import PRIORITY_TIERS, EngineConfig
+from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
 from dolmus.engine.async_engine import AsyncEngine
+from dolmus.server.access import parse_tiers
 from dolmus.engine.engine import Engine, load_tokenizer
 from dolmus.sampling_params import SamplingParams
 
@@ -41,12 +44,15 @@ class ReplayConfig:
     tier_priorities: dict[str, int]
 
     def engine_config(self, model: str | None) -> EngineConfig:
-        return EngineConfig(**{**self.engine, "model": model})
+        return EngineConfig(**_engine_kwargs({**self.engine, "model": model}))
 
     def flags(self) -> str:
         """The `dolmus serve` flags that reproduce this configuration."""
         parts = []
         for key, value in self.engine.items():
+            if key == "tier_specs":
+                parts.append("--tiers FILE")  # the configuration's `tiers`, as a tiers file
+                continue
             flag = "--" + key.replace("_", "-")
             if isinstance(value, bool):
                 parts.append(flag if value else "--no-" + key.replace("_", "-"))
@@ -61,6 +67,15 @@ def load_config(path: str | Path) -> ReplayConfig:
         raise ValueError(f"{path}: a configuration is a YAML mapping of engine settings")
     name = str(raw.pop("name", Path(path).stem))
     tiers = raw.pop("tier_priorities", dict(PRIORITY_TIERS))
+    if "tiers" in raw:  # the tiers file's format: names, priorities and scheduling rules
+        try:
+            parsed = parse_tiers(raw.pop("tiers"))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        tiers = {name: t.priority for name, t in parsed.items()}
+        specs = [dataclasses.asdict(t.spec) for t in parsed.values() if t.spec is not None]
+        if any(TierSpec(**s) != TierSpec(s["priority"]) for s in specs):
+            raw["tier_specs"] = specs
     raw.pop("model", None)
     unknown = set(raw) - _ENGINE_FIELDS
     if unknown:
@@ -68,10 +83,17 @@ def load_config(path: str | Path) -> ReplayConfig:
             f"{path}: unknown settings {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS - {'model'})}"
         )
     try:
-        EngineConfig(**raw)  # validate now, before any model is loaded
+        EngineConfig(**_engine_kwargs(raw))  # validate now, before any model is loaded
     except TypeError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return ReplayConfig(name, raw, {str(k): int(v) for k, v in (tiers or {}).items()})
+
+
+def _engine_kwargs(engine: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig arguments from a configuration's plain (JSON-able) settings."""
+    if "tier_specs" in engine:
+        engine = {**engine, "tier_specs": tuple(TierSpec(**s) for s in engine["tier_specs"])}
+    return engine
 
 
 async def replay_engine(

@@ -1,8 +1,10 @@
 """`dolmus tune`: find batching settings with the best goodput on your own trace.
 
-The search is coordinate ascent over the two settings that shape batching: first
+The search is coordinate ascent over the settings that shape batching: first
 max_num_seqs (step token budget held), then max_num_batched_tokens (the best seat count
-held), each trial a real in-process replay of the whole trace. The default configuration
+held), then, when the trace has both tiers, the interactive tier's reserved share of seats
+and step tokens (batch borrows it while interactive is idle), each trial a real in-process
+replay of the whole trace. The default configuration
 is always tried first, so the recommendation's goodput is never below the default's as
 measured in the same session. Trials stop when the next one would overrun --budget-minutes
 (estimated from the slowest trial so far).
@@ -11,6 +13,7 @@ measured in the same session. Trials stop when the next one would overrun --budg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -21,13 +24,26 @@ from dolmus.bench.dataset import BenchRequest
 from dolmus.bench.replay import ReplayConfig, run_configs, trace_requests
 from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo
-from dolmus.config import PRIORITY_TIERS, EngineConfig
+from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
 
 SEATS = (8, 16, 32, 64, 128, 256)
 # A trial must beat the best so far by this share of goodput to replace it: smaller gaps are
 # within run-to-run noise, and the default (tried first) should not lose to noise.
 MIN_GAIN = 0.03
 STEP_TOKENS = (128, 256, 512, 1024, 2048)
+RESERVES = (0.1, 0.25, 0.5)  # the interactive tier's share of seats and step tokens
+
+
+def reservation(share: float) -> dict[str, Any]:
+    """Engine settings reserving `share` of seats and step tokens for the interactive tier."""
+    if not share:
+        return {}
+    interactive, batch = PRIORITY_TIERS["interactive"], PRIORITY_TIERS["batch"]
+    specs = [
+        dataclasses.asdict(TierSpec(interactive, reserved_seats=share, reserved_tokens=share)),
+        dataclasses.asdict(TierSpec(batch)),
+    ]
+    return {"tier_specs": specs}
 
 
 def _better(run: dict[str, Any], best: dict[str, Any]) -> bool:
@@ -51,35 +67,41 @@ def tune(
     seats0 = default.max_num_seqs
     tokens0 = default.resolve_batched_tokens(default.resolve_device())
     trials: list[dict[str, Any]] = []
-    tried: dict[tuple[int, int], dict[str, Any]] = {}
+    tried: dict[tuple[int, int, float], dict[str, Any]] = {}
     slowest = 0.0
 
-    def trial(seats: int, tokens: int) -> dict[str, Any] | None:
+    def trial(seats: int, tokens: int, reserve: float) -> dict[str, Any] | None:
         nonlocal slowest
-        if (seats, tokens) in tried:
-            return tried[(seats, tokens)]
+        key = (seats, tokens, reserve)
+        if key in tried:
+            return tried[key]
         spent = time.monotonic() - start
         if trials and spent + slowest > budget_s:
             return None
-        name = "default" if (seats, tokens) == (seats0, tokens0) else f"seqs={seats},tokens={tokens}"
-        config = ReplayConfig(
-            name, {"max_num_seqs": seats, "max_num_batched_tokens": tokens}, dict(PRIORITY_TIERS)
-        )
+        name = "default" if key == (seats0, tokens0, 0.0) else f"seqs={seats},tokens={tokens}"
+        if reserve:
+            name += f",reserve={reserve:g}"
+        settings = {"max_num_seqs": seats, "max_num_batched_tokens": tokens, **reservation(reserve)}
+        config = ReplayConfig(name, settings, dict(PRIORITY_TIERS))
         t = time.monotonic()
         run = run_configs([config], model, requests, speed, slo, progress)[0]
         slowest = max(slowest, time.monotonic() - t)
         run["x"] = len(trials)
         trials.append(run)
-        tried[(seats, tokens)] = run
+        tried[key] = run
         return run
 
-    best_key = (seats0, tokens0)
+    best_key = (seats0, tokens0, 0.0)
     best = trial(*best_key)
     assert best is not None
-    for axis in ("seats", "tokens"):
-        values = SEATS if axis == "seats" else STEP_TOKENS
+    tiers = {r.tier for r in requests if r.tier is not None}
+    axes = [("seats", SEATS), ("tokens", STEP_TOKENS)]
+    if {"interactive", "batch"} <= tiers:
+        axes.append(("reserve", RESERVES))
+    for axis, values in axes:
         for v in values:
-            key = (v, best_key[1]) if axis == "seats" else (best_key[0], v)
+            at = {"seats": 0, "tokens": 1, "reserve": 2}[axis]
+            key = (*best_key[:at], v, *best_key[at + 1 :])
             run = trial(*key)
             if run is None:
                 break
@@ -89,7 +111,11 @@ def tune(
         "trials": trials,
         "default": trials[0],
         "best": best,
-        "best_settings": {"max_num_seqs": best_key[0], "max_num_batched_tokens": best_key[1]},
+        "best_settings": {
+            "max_num_seqs": best_key[0],
+            "max_num_batched_tokens": best_key[1],
+            "interactive_reserved_share": best_key[2],
+        },
         "elapsed_s": time.monotonic() - start,
         "budget_s": budget_s,
     }
@@ -126,6 +152,9 @@ def run_tune(args: argparse.Namespace) -> int:
         f"--max-num-batched-tokens {settings['max_num_batched_tokens']}"
     )
     model = f" --model {shlex.quote(args.model)}" if args.model else ""
+    share = settings["interactive_reserved_share"]
+    if share:
+        flags += " --tiers FILE"
     print(
         f"\n{len(result['trials'])} trials in {result['elapsed_s']:.0f} s "
         f"(budget {result['budget_s']:.0f} s)\n"
@@ -134,6 +163,13 @@ def run_tune(args: argparse.Namespace) -> int:
         f"{default['goodput']:.3f} req/s ({100 * default['goodput_share']:.0f}%)\n"
         f"serve with: dolmus serve{model} {flags}"
     )
+    if share:
+        print(
+            "with FILE holding:\n"
+            "tiers:\n"
+            f"  interactive: {{priority: 0, reserved_seats: {share:g}, reserved_tokens: {share:g}}}\n"
+            "  batch: {priority: 1}"
+        )
     if args.out:
         command = "dolmus " + " ".join(shlex.quote(a) for a in args.argv)
         files = write_outputs(args.out, "dolmus tune", command, result["trials"], "trial")

@@ -162,8 +162,9 @@ class AsyncEngine:
                         if out.finished:
                             self._on_finished(out)
                 self._stats = engine.stats()
-                if outputs:
-                    self._call_soon(self._deliver, outputs, [])
+                refusals: list[tuple[str, BaseException]] = list(engine.take_refusals())
+                if outputs or refusals:
+                    self._call_soon(self._deliver, outputs, refusals)
         except BaseException as exc:  # a bug in a step: fail every request, loudly
             logger.exception("engine step loop died")
             self._error = exc

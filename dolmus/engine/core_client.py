@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dolmus.config import EngineConfig, ModelConfig
+from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import EngineDeadError, stream_outputs
 from dolmus.engine.core_proc import run_engine_core
 from dolmus.engine.core_protocol import (
@@ -230,10 +231,13 @@ class EngineCoreClient:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put_nowait(out)
-            for rid, why in msg.errors:
-                stream = self._streams.get(rid)
+            for error in msg.errors:
+                stream = self._streams.get(error.request_id)
                 if stream is not None:
-                    stream.put_nowait(ValueError(why))
+                    if error.code is not None:
+                        stream.put_nowait(RequestRefused(error.message, error.code, error.retry_after or 1.0))
+                    else:
+                        stream.put_nowait(ValueError(error.message))
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():

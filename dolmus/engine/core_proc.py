@@ -23,11 +23,13 @@ from dolmus.engine.core_protocol import (
     CoreDied,
     LoadFailed,
     Ready,
+    RequestError,
     Shutdown,
     StepOutputs,
     from_core_encoder,
     to_core_decoder,
 )
+from dolmus.engine.admission import RequestRefused
 from dolmus.engine.engine import Engine
 from dolmus.engine.output_delta import DeltaMaker
 from dolmus.executor.worker import die_with_parent
@@ -74,7 +76,7 @@ class _CoreLoop:
         self.outbox = outbox
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dolmus-grammar")
         self.compiling: list[tuple[AddRequest, concurrent.futures.Future]] = []
-        self.errors: list[tuple[str, str]] = []
+        self.errors: list[RequestError] = []
         self.added = 0
         self.applied = False  # a command changed the engine since the last message
         self.deltas = DeltaMaker()
@@ -85,6 +87,9 @@ class _CoreLoop:
                 return
             self._admit_compiled()
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            for rid, refusal in self.engine.take_refusals():
+                self.deltas.forget(rid)
+                self.errors.append(_error(rid, refusal))
             if outputs or self.errors or self.added or self.applied:
                 self._send(outputs)  # an abort on an idle engine still needs a fresh snapshot
 
@@ -121,7 +126,7 @@ class _CoreLoop:
         try:
             self.engine.add_request(msg.request_id, msg.prompt, msg.params, msg.priority, msg.arrival_time)
         except ValueError as exc:
-            self.errors.append((msg.request_id, str(exc)))
+            self.errors.append(_error(msg.request_id, exc))
 
     def _admit_compiled(self) -> None:
         still = []
@@ -130,7 +135,7 @@ class _CoreLoop:
                 still.append((msg, future))
             elif future.exception() is not None:
                 self.added += msg.params.n
-                self.errors.append((msg.request_id, str(future.exception())))
+                self.errors.append(RequestError(msg.request_id, str(future.exception())))
             else:
                 self._add_now(msg)  # compiled and cached: new_state is cheap now
         self.compiling = still
@@ -151,3 +156,9 @@ class _CoreLoop:
         )
         self.errors, self.added, self.applied = [], 0, False
         self.outbox.send(from_core_encoder.encode(msg))
+
+
+def _error(request_id: str, exc: ValueError) -> RequestError:
+    if isinstance(exc, RequestRefused):
+        return RequestError(request_id, str(exc), exc.code, exc.retry_after)
+    return RequestError(request_id, str(exc))

@@ -42,11 +42,21 @@ class LoadFailed(msgspec.Struct, tag=True):
     message: str
 
 
+class RequestError(msgspec.Struct):
+    """A request the engine refused or dropped: a bad request (400) unless `code` says it was
+    a tier rule (429 with Retry-After)."""
+
+    request_id: str
+    message: str
+    code: str | None = None
+    retry_after: float | None = None
+
+
 class StepOutputs(msgspec.Struct, tag=True):
     """What one pass of the core loop produced: outputs, refused requests, a fresh snapshot."""
 
     outputs: list[OutputDelta]  # only what is new since each request's previous message
-    errors: list[tuple[str, str]]  # (request id, why it was refused)
+    errors: list[RequestError]
     num_applied_adds: int  # sequences added to the engine since the last message
     stats: EngineStats
 

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dolmus.config import EngineConfig, ModelConfig
+from dolmus.engine.admission import AdmissionControl, RequestRefused
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
@@ -69,6 +70,11 @@ class EngineStats:
     busy_prefill_seconds: float = 0.0
     busy_decode_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    # Tier rules at work (since start): refused by SLO-aware admission, demoted by it,
+    # refused after waiting longer than their tier's max_queue_wait.
+    admission_refused: int = 0
+    admission_demoted: int = 0
+    queue_timeouts: int = 0
 
 
 @dataclass
@@ -111,9 +117,11 @@ class Engine:
             )
             self.max_model_len = capacity
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.resolve_batched_tokens(self.device), self.max_model_len
-        )
+        budget = config.resolve_batched_tokens(self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, self.max_model_len, config.tier_specs)
+        self.admission = AdmissionControl(self.scheduler.book, budget)
+        self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
+        self._queue_timeouts = 0
         self.grammars = GrammarCache(lambda: XGrammarBackend(self.tokenizer, mc.vocab_size, mc.eos_token_ids))
         self._structured_requests = 0
         self._groups: dict[str, _Group] = {}
@@ -180,6 +188,8 @@ class Engine:
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time or time.monotonic()
+        sched = self.scheduler
+        priority = self.admission.admit(priority, len(prompt_ids), sched.waiting.demand, sched.running)
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -247,6 +257,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        self._refuse_overdue(start)
         sched = self.scheduler.schedule()
         prefill_tokens = sum(
             s.num_new_tokens
@@ -283,8 +294,38 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
-        self._account_busy(time.monotonic() - start, prefill_tokens, sched.num_batched_tokens)
+        elapsed = time.monotonic() - start
+        self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
+        self.admission.observe_step(elapsed, sched.num_batched_tokens)
         return outputs
+
+    def _refuse_overdue(self, now: float) -> None:
+        """Requests that waited past their tier's max_queue_wait leave with a refusal."""
+        for request in self.scheduler.overdue(now):
+            group_id = self._owner.get(request.request_id)
+            if group_id is None:
+                continue
+            self._count_finished(request)
+            self.abort_request(group_id)  # its other sequences, if n > 1
+            self._queue_timeouts += 1
+            spec = self.scheduler.book.spec_for(request.priority)
+            wait = spec.max_queue_wait if spec is not None else 0.0
+            self._refusals.append(
+                (
+                    group_id,
+                    RequestRefused(
+                        f"the request waited {now - request.timings.arrival:.1f} s in the queue, past "
+                        f"its tier's max_queue_wait of {wait:g} s; retry later",
+                        "queue_timeout",
+                        wait or 1.0,
+                    ),
+                )
+            )
+
+    def take_refusals(self) -> list[tuple[str, RequestRefused]]:
+        """Requests the engine dropped since the last call, with why (each is gone from it)."""
+        refusals, self._refusals = self._refusals, []
+        return refusals
 
     def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """Allowed tokens of each constrained request that samples this step, as plain data."""
@@ -399,6 +440,9 @@ class Engine:
             busy_prefill_seconds=self._busy_prefill,
             busy_decode_seconds=self._busy_decode,
             finished=dict(self._finished_by_reason),
+            admission_refused=self.admission.num_refused,
+            admission_demoted=self.admission.num_demoted,
+            queue_timeouts=self._queue_timeouts,
         )
 
 

@@ -169,6 +169,21 @@ class _StatsCollector(Collector):
         yield counter("dolmus:generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("dolmus:structured_requests", "Requests with structured output.", s.structured_requests)
         yield counter(
+            "dolmus:admission_refused",
+            "Requests refused (429) because their tier's TTFT target could not be met.",
+            s.admission_refused,
+        )
+        yield counter(
+            "dolmus:admission_demoted",
+            "Requests moved to a laxer tier because their tier's TTFT target could not be met.",
+            s.admission_demoted,
+        )
+        yield counter(
+            "dolmus:queue_timeouts",
+            "Requests refused (429) after waiting past their tier's max_queue_wait.",
+            s.queue_timeouts,
+        )
+        yield counter(
             "dolmus:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             s.prefix_cache_queries,

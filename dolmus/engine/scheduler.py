@@ -8,6 +8,10 @@ Order of business every step:
 2. waiting requests by (priority, arrival), prefix-cache hits first, while budget, seats
    (`max_num_seqs`) and blocks last. A waiting request of a more urgent tier may preempt a
    less urgent running one, whether the limit hit is memory or seats.
+
+With tiers (`EngineConfig.tier_specs`) the tier book adds reservations to both: each tier's
+reserved share of the token budget is held for it while it has work, and a tier within
+its reserved seats or blocks is not preempted by another tier (tier_book.py says how).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.config import TierSpec
 from dolmus.engine.request import Request, RequestStatus
+from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.step import NewRequest, StepPlan, StepResult
 
@@ -60,6 +66,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        tiers: tuple[TierSpec, ...] = (),
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -72,6 +79,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # What the runner holds: request id -> how many of its block ids it has been sent.
         self._sent_blocks: dict[str, int] = {}
+        self.book = TierBook(tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of)
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -80,6 +88,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self.book.queued(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, limits) and free its blocks at once."""
@@ -106,7 +115,9 @@ class Scheduler:
         """
         sharers = self.kv.sharers_of_fresh_blocks(request.request_id)
         self._requeue(request)
-        scheduled.pop(request.request_id, None)
+        dropped = scheduled.pop(request.request_id, None)
+        if dropped is not None:
+            self.book.spend(request, -dropped.num_new_tokens)
         preempted.append(request)
         for rid in sharers:
             sharer = self.requests.get(rid)
@@ -134,17 +145,22 @@ class Scheduler:
         preempted: list[Request] = []
 
         self.running.sort(key=lambda r: r.sort_key)
+        self.book.begin_step(self.running, self.waiting.demand)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.book.allowance(request, budget))
+            if num_new <= 0:  # what is left is held for another tier this step
+                i += 1
+                continue
             while not self.kv.allocate(request, num_new):
-                victim = self.running[-1]  # least urgent, latest; not yet scheduled this step
+                victim = self._memory_victim(i)
                 self._preempt(victim, scheduled, preempted)
                 if victim is request:
                     break
             else:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                self.book.spend(request, num_new)
                 budget -= num_new
                 i += 1
                 continue
@@ -152,18 +168,42 @@ class Scheduler:
 
         # A step that had to preempt for memory admits nobody: the pool is over-committed.
         pool_short = bool(preempted)
+        reclaimed: set[str] = set()  # more urgent requests preempted for a tier's reservation
         while not pool_short and self.waiting and budget > 0:
             request = self.waiting.peek()
             assert request is not None
-            if not self._admit(request, budget, scheduled):
-                if not self._evict_for(request, scheduled, preempted):
+            if request.request_id in reclaimed:
+                break  # it just gave a reservation back: not back in before the next step
+            while (allowance := self.book.allowance(request, budget)) > 0:
+                short = self._admit(request, allowance, scheduled)
+                if short is None:
                     break
+                victim = self._evict_for(request, short, scheduled, preempted)
+                if victim is None:
+                    allowance = 0
+                    break
+                if victim.sort_key < request.sort_key:
+                    reclaimed.add(victim.request_id)
+                # What the victim frees is this request's, even if the victim now heads the queue.
                 budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
-                continue
-            budget -= scheduled[request.request_id].num_new_tokens
+            if allowance <= 0:
+                break
+            num_new = scheduled[request.request_id].num_new_tokens
+            self.book.spend(request, num_new)
+            budget -= num_new
 
         out_list = list(scheduled.values())
         return SchedulerOutput(self._plan(out_list, preempted), out_list, preempted)
+
+    def _memory_victim(self, i: int) -> Request:
+        """Whom running[i] preempts for blocks: the least urgent, latest request after it that
+        no reservation shields, else itself."""
+        request = self.running[i]
+        for j in range(len(self.running) - 1, i, -1):
+            candidate = self.running[j]
+            if not self.book.shields(candidate, request, KV, self.running):
+                return candidate
+        return request
 
     def _plan(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> StepPlan:
         """The step as a diff against what the runner already holds."""
@@ -197,16 +237,17 @@ class Scheduler:
             plan.num_scheduled_tokens[rid] = item.num_new_tokens
         return plan
 
-    def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> bool:
-        """Move the head of the waiting queue to running if a seat and blocks are free."""
+    def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> str | None:
+        """Move a waiting request to running if a seat and blocks are free;
+        otherwise say which was short."""
         if len(self.running) >= self.max_num_seqs:
-            return False
+            return SEATS
         cached = self.kv.find_cached_prefix(request)
         num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
         if not self.kv.allocate(request, num_new, cached):
-            return False
+            return KV
         self.kv.record_prefix_lookup(request, len(cached))
-        self.waiting.pop()
+        self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
@@ -214,19 +255,30 @@ class Scheduler:
             request.timings.first_scheduled = time.monotonic()
         self.running.append(request)
         scheduled[request.request_id] = ScheduledRequest(request, num_new)
-        return True
+        return None
 
     def _evict_for(
-        self, request: Request, scheduled: dict[str, ScheduledRequest], preempted: list[Request]
-    ) -> bool:
-        """Preempt the least urgent running request if it is of a less urgent tier."""
-        if not self.running:
-            return False
-        victim = max(self.running, key=lambda r: r.sort_key)
-        if victim.priority <= request.priority:
-            return False
+        self,
+        request: Request,
+        short: str,
+        scheduled: dict[str, ScheduledRequest],
+        preempted: list[Request],
+    ) -> Request | None:
+        """Preempt the least urgent running request the waiting `request` may take `short` from."""
+        candidates = [r for r in self.running if self.book.may_preempt(r, request, short, self.running)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda r: r.sort_key)
         self._preempt(victim, scheduled, preempted)
-        return True
+        return victim
+
+    def overdue(self, now: float) -> list[Request]:
+        """Requests whose tier's max_queue_wait passed before their first step, now finished
+        (aborted); the engine tells their clients why."""
+        late = self.book.overdue(now)
+        for request in late:
+            self.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+        return late
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, int]]:
         """Advance computed counts, append the new tokens, finish what hit a limit.

@@ -19,12 +19,18 @@ class WaitingQueue:
         self._members: dict[str, Request] = {}
         self._order = itertools.count()  # ties (same priority and arrival) stay first-in, first-out
         self.num_preempted = 0  # members that were preempted (they wait to be recomputed)
+        # Tokens the members lack, by priority (what tier reservations hold budget for).
+        self.demand: dict[int, int] = {}
+        self._lacking: dict[str, int] = {}
 
     def push(self, request: Request) -> None:
         priority, arrival = request.sort_key
         heapq.heappush(self._heap, (priority, arrival, next(self._order), request))
         self._members[request.request_id] = request
         self.num_preempted += request.num_preemptions > 0
+        lacking = request.num_tokens - request.num_computed_tokens
+        self._lacking[request.request_id] = lacking
+        self.demand[request.priority] = self.demand.get(request.priority, 0) + lacking
 
     def _skip_removed(self) -> None:
         heap = self._heap
@@ -51,6 +57,11 @@ class WaitingQueue:
     def _forget(self, request: Request) -> None:
         del self._members[request.request_id]
         self.num_preempted -= request.num_preemptions > 0
+        left = self.demand[request.priority] - self._lacking.pop(request.request_id)
+        if left:
+            self.demand[request.priority] = left
+        else:
+            del self.demand[request.priority]
 
     def __len__(self) -> int:
         return len(self._members)

@@ -93,6 +93,11 @@ class LLM:
                     done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
+            for rid, refusal in self.engine.take_refusals():  # a tier's max_queue_wait passed
+                if rid in wanted:
+                    for other in wanted - done.keys():
+                        self.engine.abort_request(other)
+                    raise refusal
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]

@@ -3,7 +3,15 @@
 A tiers file (`dolmus serve --tiers FILE`, YAML) names the tiers and the keys:
 
     tiers:
-      interactive: {priority: 0, ttft_target: 0.5, tpot_target: 0.05}   # seconds, optional
+      interactive:
+        priority: 0
+        ttft_target: 0.5          # seconds; what the SLO metrics count against (optional)
+        tpot_target: 0.05
+        reserved_seats: 0.25      # shares of max_num_seqs, KV blocks and each step's tokens
+        reserved_kv: 0.25         # held for this tier; others borrow them while it is idle
+        reserved_tokens: 0.25
+        max_queue_wait: 10        # seconds before its first step, then 429 (optional)
+        admission: refuse         # serve | refuse | demote a request the TTFT target cannot meet
       batch: {priority: 1}
     keys:
       - key: sk-team-a            # or key_env: TEAM_A_KEY (read from the environment)
@@ -21,7 +29,8 @@ request over its key's quota gets 429 with `Retry-After` saying when it would pa
 request larger than a whole minute's allowance gets 400, since waiting would not help.
 Without a tiers file, `--api-key` is one key with no quota, and no key means an open server.
 
-A tier's TTFT and TPOT targets are what its SLO metrics count against
+The scheduling fields go to the engine as `TierSpec`s (config.py; engine/tier_book.py and
+engine/admission.py say what they do). A tier's TTFT and TPOT targets are what its SLO metrics count against
 (`dolmus:tier_slo_met_total`); a request whose priority names no tier is counted in the
 most urgent tier at least as lax as it (so the label set stays the tiers file's).
 """
@@ -40,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from dolmus.config import PRIORITY_TIERS
+from dolmus.config import PRIORITY_TIERS, TierSpec, check_tiers
 
 
 class TokenBucket:
@@ -82,6 +91,7 @@ class Tier:
     priority: int  # lower runs first
     ttft_target: float | None = None  # seconds
     tpot_target: float | None = None  # seconds
+    spec: TierSpec | None = None  # what the scheduler is told: reservations, queue wait, admission
 
     def met(self, ttft: float | None, tpot: float | None) -> bool:
         """Whether a request with these latencies met every target the tier sets."""
@@ -136,7 +146,7 @@ class AccessPolicy:
     def from_dict(cls, raw: Any) -> AccessPolicy:
         if not isinstance(raw, dict) or not set(raw) <= {"tiers", "keys"}:
             raise ValueError("tiers: the file holds a mapping with `tiers` and `keys`")
-        tiers = _parse_tiers(raw.get("tiers") or dict(PRIORITY_TIERS))
+        tiers = parse_tiers(raw.get("tiers") or dict(PRIORITY_TIERS))
         keys: dict[str, Client] = {}
         for i, entry in enumerate(raw.get("keys") or []):
             key, client = _parse_key(entry, i, tiers)
@@ -182,6 +192,11 @@ class AccessPolicy:
             asked = self.tiers[name].priority
         return max(asked, client.priority) if client.capped else asked
 
+    def engine_tiers(self) -> tuple[TierSpec, ...]:
+        """The tiers as the engine schedules them; none when no tier asks for anything."""
+        specs = tuple(t.spec for t in self.tiers.values() if t.spec is not None)
+        return specs if any(s != TierSpec(s.priority) for s in specs) else ()
+
     def tier_of(self, priority: int) -> Tier:
         """The tier a request of this priority is counted in: the most urgent one at least as
         lax as it, or the most urgent tier of all when it is more urgent than every one."""
@@ -197,7 +212,10 @@ def _is_positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _parse_tiers(raw: Any) -> dict[str, Tier]:
+_SCHEDULING_FIELDS = ("reserved_seats", "reserved_kv", "reserved_tokens", "max_queue_wait", "admission")
+
+
+def parse_tiers(raw: Any) -> dict[str, Tier]:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
             "tiers: `tiers` maps each tier's name to its settings, e.g. {interactive: {priority: 0}}"
@@ -205,19 +223,31 @@ def _parse_tiers(raw: Any) -> dict[str, Tier]:
     tiers = {}
     for name, spec in raw.items():
         spec = spec if isinstance(spec, dict) else {"priority": spec}
-        unknown = set(spec) - {"priority", "ttft_target", "tpot_target"}
+        unknown = set(spec) - {"priority", "ttft_target", "tpot_target", *_SCHEDULING_FIELDS}
         if unknown:
             raise ValueError(f"tiers: tier {name!r} has unknown fields: {', '.join(sorted(unknown))}")
         priority = spec.get("priority")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"tiers: tier {name!r} needs an integer priority (lower runs first)")
         targets = []
-        for key in ("ttft_target", "tpot_target"):
+        for key in ("ttft_target", "tpot_target", "max_queue_wait"):
             value = spec.get(key)
             if value is not None and not _is_positive_number(value):
                 raise ValueError(f"tiers: tier {name!r}: {key} must be a positive number of seconds")
             targets.append(float(value) if value is not None else None)
-        tiers[str(name).lower()] = Tier(str(name).lower(), priority, *targets)
+        shares = []
+        for key in ("reserved_seats", "reserved_kv", "reserved_tokens"):
+            value = spec.get(key, 0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"tiers: tier {name!r}: {key} is a share in [0, 1), got {value!r}")
+            shares.append(float(value))
+        try:
+            admission = str(spec.get("admission", "serve"))
+            engine_spec = TierSpec(priority, *shares, targets[2], targets[0], admission)
+        except ValueError as exc:
+            raise ValueError(f"tiers: tier {name!r}: {exc}") from exc
+        tiers[str(name).lower()] = Tier(str(name).lower(), priority, targets[0], targets[1], engine_spec)
+    check_tiers(tuple(t.spec for t in tiers.values() if t.spec is not None))
     return tiers
 
 

@@ -7,6 +7,7 @@ engine is up (so an orchestrator can tell "starting" from "dead"), then /health 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -41,11 +42,13 @@ class ServerState:
     """What the routes need, filled in once the model has loaded."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
-        self.engine_config = engine_config
         self.server_config = server_config
         self.model_name = server_config.model_name(engine_config)
         self.chat_template = server_config.load_chat_template()  # fail before loading a model
         self.access = AccessPolicy.build(server_config.tiers, server_config.api_key)
+        if not engine_config.tier_specs:  # the tiers file's reservations and rules, to the scheduler
+            engine_config = dataclasses.replace(engine_config, tier_specs=self.access.engine_tiers())
+        self.engine_config = engine_config
         self.engine: AsyncEngine | EngineCoreClient | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: EngineMetrics | None = None

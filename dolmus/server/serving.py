@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -20,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dolmus.config import ServerConfig
+from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
@@ -635,6 +637,9 @@ async def _engine_errors(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[Req
     try:
         async for out in gen:
             yield out
+    except RequestRefused as exc:  # a tier rule: the queue is too long for its targets
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        raise APIError(429, str(exc), code=exc.code, headers={"Retry-After": retry}) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except EngineDeadError as exc:
