@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -13,7 +14,7 @@ from typing import TypeVar
 from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
-from dolmus.config import EngineConfig, ServerConfig
+from dolmus.config import EngineConfig, ServerConfig, TierSpec
 
 T = TypeVar("T")
 
@@ -27,6 +28,17 @@ def _choices(cls: type, name: str) -> list:
     """A field's declared choices (config.py), in the CLI's spelling (`None` is left out: no flag)."""
     meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
     return [c for c in meta["choices"] if c is not None]
+
+
+def _tier_specs(text: str) -> tuple[TierSpec, ...]:
+    """`--tier-specs '[{"priority": 0, "reserved_seats": 0.25}, {"priority": 1}]'`."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+            raise ValueError("a JSON list of objects")
+        return tuple(TierSpec(**t) for t in raw)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"tier specs: {exc}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +112,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,
         help="our AVX-512 C kernels for bf16 on CPU: int8/int4, RMSNorm, decode attention (else PyTorch's)",
+    )
+    g.add_argument(
+        "--tier-specs",
+        type=_tier_specs,
+        default=d.tier_specs,
+        help="JSON list of scheduling tiers (priority, reserved_seats/kv/tokens, max_queue_wait, "
+        "ttft_target, admission); `serve --tiers FILE` sets them from the tiers file",
     )
 
 
