@@ -162,6 +162,10 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path, engine_core) -> None
         assert m['dolmus:tier_requests_total{tier="batch"}'] == 4
         assert m.get('dolmus:tier_slo_met_total{tier="batch"}', 0) == 0
         assert m['dolmus:tier_time_to_first_token_seconds_count{tier="batch"}'] == 4
+        # Per app (the keys' names; unnamed keys are key0, key1, ...): requests and tokens.
+        assert m['dolmus:app_requests_total{app="key0"}'] == 2 and m['dolmus:app_requests_total{app="key1"}'] == 4
+        assert 0 < m['dolmus:app_generation_tokens_total{app="key0"}'] <= 8
+        assert m['dolmus:app_prompt_tokens_total{app="key1"}'] >= 4
 
 
 def test_tiers_file_scheduling_fields_reach_the_engine() -> None:

@@ -77,6 +77,16 @@ class EngineMetrics:
             "dolmus:tier_request_queue_time_seconds", "Arrival to first scheduled, by tier.", by_tier,
             buckets=_REQUEST_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        by_app = ["model_name", "app"]  # the tiers file's key names: a bounded label set
+        self._app_requests = Counter(
+            "dolmus:app_requests", "Finished requests, by the app of their API key.", by_app, registry=self.registry
+        )
+        self._app_prompt = Counter(
+            "dolmus:app_prompt_tokens", "Prompt tokens of finished requests, by app.", by_app, registry=self.registry
+        )
+        self._app_generation = Counter(
+            "dolmus:app_generation_tokens", "Generated tokens, by app.", by_app, registry=self.registry
+        )
         self._tier_finished = Counter(
             "dolmus:tier_requests", "Finished requests, by tier.", by_tier, registry=self.registry
         )
@@ -120,6 +130,13 @@ class EngineMetrics:
         self._tier_finished.labels(*labels).inc()
         if slo_met:
             self._tier_met.labels(*labels).inc()
+
+    def observe_app(self, app: str, output: RequestOutput) -> None:
+        """Count a finished request and its tokens under the app of the key that sent it."""
+        labels = (self.model_name, app)
+        self._app_requests.labels(*labels).inc()
+        self._app_prompt.labels(*labels).inc(len(output.prompt_token_ids or []))
+        self._app_generation.labels(*labels).inc(sum(len(c.token_ids) for c in output.outputs))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

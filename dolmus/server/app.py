@@ -56,15 +56,17 @@ class ServerState:
         self.on_load_failure: Callable[[], None] | None = None
 
     def _observe_finished(self, out: RequestOutput) -> None:
-        """Latency metrics of a finished request, overall and under its tier."""
+        """Latency metrics of a finished request, overall, under its tier and its key's app."""
         assert self.metrics is not None
         self.metrics.observe_finished(out)
-        priority = self.serving.in_flight.get(out.request_id) if self.serving is not None else None
-        if priority is None:
+        found = self.serving.in_flight.get(out.request_id) if self.serving is not None else None
+        if found is None:
             return
+        priority, app = found
         tier = self.access.tier_of(priority)
         met = all(tier.met(c.metrics.ttft, c.metrics.tpot) for c in out.outputs if c.metrics is not None)
         self.metrics.observe_tier(tier.name, out, met)
+        self.metrics.observe_app(app, out)
 
     async def load(self) -> None:
         try:

@@ -84,7 +84,7 @@ class OpenAIServing:
         self.vocab_size = engine.engine.model_config.vocab_size
         # Engine request id -> priority, while the request's job runs: the server's per-tier
         # metrics look up a finished output's tier here.
-        self.in_flight: dict[str, int] = {}
+        self.in_flight: dict[str, tuple[int, str]] = {}  # engine request id -> (priority, app)
         self._token_text: dict[int, str] = {}
         self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
 
@@ -540,7 +540,7 @@ class OpenAIServing:
         gens = []
         for p, ids in enumerate(job.prompts):
             rid = f"{job.request_id}-{p}"
-            self.in_flight[rid] = job.priority
+            self.in_flight[rid] = (job.priority, job.client.name if job.client is not None else "default")
             gens.append(self.engine.generate(rid, ids, job.params, job.priority))
         return gens
 
