@@ -28,7 +28,7 @@ def test_generated_requests_never_get_a_server_error(tmp_path) -> None:
                 "--request-timeout", "60",
                 "--no-color",
             ],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,  # its cache goes there
         )  # fmt: skip
         assert server.proc.poll() is None  # still up
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
