@@ -14,7 +14,7 @@ from typing import TypeVar
 from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
-from dolmus.config import EngineConfig, ServerConfig, TierSpec
+from dolmus.config import EngineConfig, ServerConfig, SpeculativeConfig, TierSpec
 
 T = TypeVar("T")
 
@@ -39,6 +39,17 @@ def _tier_specs(text: str) -> tuple[TierSpec, ...]:
         return tuple(TierSpec(**t) for t in raw)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"tier specs: {exc}") from None
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (vLLM's keys)."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a JSON object")
+        return SpeculativeConfig.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"speculative config: {exc}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +130,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.tier_specs,
         help="JSON list of scheduling tiers (priority, reserved_seats/kv/tokens, max_queue_wait, "
         "ttft_target, admission); `serve --tiers FILE` sets them from the tiers file",
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=d.speculative_config,
+        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}',
     )
 
 

@@ -100,6 +100,43 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys (`speculative_config={"method": "ngram", ...}`)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafts per step at most
+    prompt_lookup_min: int = 2  # ngram: shortest suffix that may match earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    # Speculation is off in steps with more running requests than this (there the step is
+    # bound by compute, and verifying drafts only adds work); None: never off.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                f"and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**raw)
+
+
 @dataclass
 class EngineConfig:
     """Everything a user can set on an engine. `None` means "derive it from the model"."""
@@ -131,6 +168,8 @@ class EngineConfig:
     executor: str = choice("uni", ("uni", "mp"))
     # Scheduling tiers with reservations and admission rules; none: strict priority order.
     tier_specs: tuple[TierSpec, ...] = ()
+    # Speculative decoding (a SpeculativeConfig or a dict of its keys); None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -146,6 +185,8 @@ class EngineConfig:
         check_choices(self)
         self.tier_specs = tuple(self.tier_specs)
         check_tiers(self.tier_specs)
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def model_path(self) -> Path:

@@ -69,7 +69,8 @@ def test_soak_256_streams_tiny_kv_disconnects_and_malformed_requests(tmp_path) -
     with RemoteServer(*args, log=tmp_path / "server.log") as server:
 
         async def run() -> dict:
-            limits = httpx.Limits(max_connections=STREAMS + 16)
+            # Idle connections retire before uvicorn closes them (5 s), so none is reused as it closes.
+            limits = httpx.Limits(max_connections=STREAMS + 16, keepalive_expiry=1.0)
             async with httpx.AsyncClient(limits=limits, timeout=300) as http, openai.AsyncOpenAI(
                 base_url=server.base_url, api_key="unused", max_retries=0, timeout=300, http_client=http
             ) as client:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from dolmus.config import EngineConfig, ModelConfig
+from dolmus.config import EngineConfig, ModelConfig, SpeculativeConfig
 from dolmus.engine.admission import AdmissionControl, RequestRefused
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
@@ -75,6 +75,12 @@ class EngineStats:
     admission_refused: int = 0
     admission_demoted: int = 0
     queue_timeouts: int = 0
+    # Speculative decoding since start: request-steps with drafts, drafted and accepted
+    # tokens, and acceptances at each draft position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -118,7 +124,11 @@ class Engine:
             self.max_model_len = capacity
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget = config.resolve_batched_tokens(self.device)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, self.max_model_len, config.tier_specs)
+        speculative = config.speculative_config
+        assert speculative is None or isinstance(speculative, SpeculativeConfig)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, budget, self.max_model_len, config.tier_specs, speculative
+        )
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
         self._queue_timeouts = 0
@@ -419,6 +429,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -443,6 +454,10 @@ class Engine:
             admission_refused=self.admission.num_refused,
             admission_demoted=self.admission.num_demoted,
             queue_timeouts=self._queue_timeouts,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
 

@@ -195,6 +195,19 @@ class _StatsCollector(Collector):
             "Requests moved to a laxer tier because their tier's TTFT target could not be met.",
             s.admission_demoted,
         )
+        yield counter("dolmus:spec_decode_num_drafts", "Request-steps that carried drafts.", s.spec_num_drafts)
+        yield counter("dolmus:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+        yield counter(
+            "dolmus:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens
+        )
+        per_position = CounterMetricFamily(
+            "dolmus:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first).",
+            labels=["model_name", "position"],
+        )
+        for i, accepted in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([self._model, str(i)], accepted)
+        yield per_position
         yield counter(
             "dolmus:queue_timeouts",
             "Requests refused (429) after waiting past their tier's max_queue_wait.",

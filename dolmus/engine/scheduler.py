@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass, field
 
 from dolmus.engine.kv_cache import KVCacheManager
-from dolmus.config import TierSpec
+from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
+from dolmus.spec.proposer import Proposer, make_proposer
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -33,13 +34,24 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after its last one
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last token, so this step yields its next token."""
+        """The chunk reaches the request's last token, so this step yields its next token(s)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.drafts) == r.num_tokens
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters since start (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # requests-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +79,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         tiers: tuple[TierSpec, ...] = (),
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -80,6 +93,10 @@ class Scheduler:
         # What the runner holds: request id -> how many of its block ids it has been sent.
         self._sent_blocks: dict[str, int] = {}
         self.book = TierBook(tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of)
+        self.speculative = speculative
+        self.proposer: Proposer | None = make_proposer(speculative) if speculative is not None else None
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.spec_stats = SpecStats(accepted_per_position=[0] * k)
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -192,8 +209,39 @@ class Scheduler:
             self.book.spend(request, num_new)
             budget -= num_new
 
+        if self.proposer is not None and budget > 0 and not preempted:
+            self._add_drafts(scheduled, budget)
         out_list = list(scheduled.values())
         return SchedulerOutput(self._plan(out_list, preempted), out_list, preempted)
+
+    def _add_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
+        """Give decodes this step the drafts the budget has room for, most urgent first."""
+        spec = self.speculative
+        assert spec is not None and self.proposer is not None
+        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
+            return
+        for item in scheduled.values():
+            if budget <= 0:
+                break
+            r = item.request
+            if item.num_new_tokens != 1 or not item.samples or r.grammar is not None:
+                continue
+            room = min(
+                spec.num_speculative_tokens,
+                budget,
+                r.max_tokens - r.num_output_tokens - 1,  # the step yields drafts + 1 at most
+                self.max_model_len - r.num_tokens,  # every draft's KV needs a position
+            )
+            room = min(room, self.book.allowance(r, budget))
+            if room <= 0:
+                continue
+            drafts = self.proposer.propose(r.all_token_ids, room)
+            if not drafts or not self.kv.allocate(r, 1 + len(drafts)):
+                continue  # nothing to guess, or no blocks for it: a plain decode, never a preemption
+            item.drafts = drafts
+            item.num_new_tokens = 1 + len(drafts)
+            self.book.spend(r, len(drafts))
+            budget -= len(drafts)
 
     def _memory_victim(self, i: int) -> Request:
         """Whom running[i] preempts for blocks: the least urgent, latest request after it that
@@ -235,6 +283,8 @@ class Scheduler:
                 plan.running.append(rid, self.kv.block_ids(rid, sent), r.num_computed_tokens)
             self._sent_blocks[rid] = self.kv.num_blocks_of(rid)
             plan.num_scheduled_tokens[rid] = item.num_new_tokens
+            if item.drafts:
+                plan.draft_token_ids[rid] = item.drafts
         return plan
 
     def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> str | None:
@@ -294,12 +344,24 @@ class Scheduler:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
             tokens = result.sampled.get(request.request_id)
+            if item.drafts:  # KV is good up to the last accepted draft; the rest is overwritten later
+                request.num_computed_tokens += len(tokens) if tokens else 1
+                self._count_acceptance(item, len(tokens) - 1 if tokens else 0)
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             if tokens:
                 logprobs = result.logprobs.get(request.request_id)
                 updated.append((request, self._append(request, tokens, logprobs, now)))
         return updated
+
+    def _count_acceptance(self, item: ScheduledRequest, accepted: int) -> None:
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(item.drafts)
+        stats.num_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
 
     def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> int:
         """Append tokens one by one until one ends the request; returns how many were kept."""

@@ -32,6 +32,7 @@ from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
+from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -259,6 +260,9 @@ class ModelRunner:
         if plan.empty:
             return StepResult()
         scheduled = [(rid, self.sequences[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        drafts = plan.draft_token_ids
+        for rid, found in drafts.items():  # computed like the request's own tokens, then checked
+            self.sequences[rid].token_ids.extend(found)
         # Decodes sorted by length, so similar lengths share a padded attention group.
         decodes = sorted((x for x in scheduled if x[2] == 1), key=lambda x: x[1].num_computed_tokens)
         ordered = decodes + [x for x in scheduled if x[2] > 1]
@@ -272,9 +276,13 @@ class ModelRunner:
         for rid, seq, n in ordered:
             offset += n
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(seq.token_ids):
-                sample_index.append(offset - 1)
-                rows.append(self._sampling_row(seq, grammar_rows.get(rid)))
+            if seq.num_computed_tokens != len(seq.token_ids):
+                continue
+            k = len(drafts.get(rid, ()))
+            # Every drafted position is sampled as if its drafts were the request's own tokens.
+            for i in range(k + 1):
+                sample_index.append(offset - 1 - k + i)
+                rows.append(self._sampling_row(seq, grammar_rows.get(rid), len(seq.token_ids) - k + i))
                 ids.append(rid)
         if not rows:
             return StepResult()
@@ -286,10 +294,20 @@ class ModelRunner:
             bitmask = words.view(len(plan.grammar_request_ids), -1)
         result = StepResult()
         for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
-            self.sequences[rid].token_ids.append(sampled.token_id)
-            result.sampled[rid] = [sampled.token_id]
+            result.sampled.setdefault(rid, []).append(sampled.token_id)
             if sampled.logprobs is not None:
-                result.logprobs[rid] = [sampled.logprobs]
+                result.logprobs.setdefault(rid, []).append(sampled.logprobs)
+        for rid, tokens in result.sampled.items():
+            seq = self.sequences[rid]
+            found = drafts.get(rid)
+            if found:
+                kept = accepted_tokens(found, tokens)
+                del seq.token_ids[len(seq.token_ids) - len(found) :]
+                seq.num_computed_tokens = len(seq.token_ids) - 1 + len(kept)
+                result.sampled[rid] = tokens = kept
+                if rid in result.logprobs:
+                    del result.logprobs[rid][len(kept) :]
+            seq.token_ids.extend(tokens)
         return result
 
     @torch.inference_mode()
@@ -337,11 +355,12 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _sampling_row(seq: _Sequence, grammar_row: int | None) -> SamplingRow:
+    def _sampling_row(seq: _Sequence, grammar_row: int | None, upto: int | None = None) -> SamplingRow:
+        """The row sampling the token after seq.token_ids[:upto] (all of them by default)."""
         return SamplingRow(
             params=seq.params,
             seed=seq.seed,
-            token_ids=seq.token_ids,
+            token_ids=seq.token_ids if upto is None or upto == len(seq.token_ids) else seq.token_ids[:upto],
             num_prompt_tokens=seq.num_prompt_tokens,
             stop_ids=seq.stop_token_ids,
             grammar_row=grammar_row,

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (engine side) and their verification (runner side)."""

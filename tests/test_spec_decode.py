@@ -1,0 +1,223 @@
+"""Speculative decoding with n-gram drafts: the output is the target's, speculation on or off."""
+
+from __future__ import annotations
+
+import pytest
+
+from dolmus import LLM, SamplingParams
+from dolmus.config import EngineConfig, SpeculativeConfig
+from dolmus.spec.proposer import NgramProposer
+from dolmus.spec.verify import accepted_tokens
+
+# Prompts that repeat themselves, so prompt lookup finds drafts (and plain ones, so it misses too).
+PROMPTS = [
+    "Once upon a time there was a little girl. Once upon a time there was a little",
+    "The cat sat on the mat. The dog sat on the mat. The cat sat on the",
+    "Tom had a red ball. Tom had a red",
+    "One day, Lily went to the park",
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+# -- verification --------------------------------------------------------------------------
+
+
+def test_all_drafts_accepted_plus_the_bonus_token():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+
+
+def test_first_mismatch_ends_the_window_with_the_targets_token():
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted_tokens([5, 6, 7], [4, 6, 7, 8]) == [4]
+
+
+def test_no_drafts_is_a_plain_step():
+    assert accepted_tokens([], [3]) == [3]
+
+
+def test_verification_needs_one_sample_per_position_plus_one():
+    with pytest.raises(ValueError, match="2 drafts need 3 sampled tokens"):
+        accepted_tokens([1, 2], [1, 2])
+
+
+# -- the n-gram proposer ---------------------------------------------------------------------
+
+
+def proposer(lo: int = 2, hi: int = 4) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(prompt_lookup_min=lo, prompt_lookup_max=hi))
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9 10
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert proposer().propose(tokens, 3) == [7, 8, 1]  # the latest "1 2 3" is at 4
+    assert proposer().propose(tokens, 1) == [7]
+
+
+def test_ngram_prefers_longer_suffixes_and_respects_the_minimum():
+    tokens = [4, 2, 3, 5, 1, 2, 3, 6, 0, 1, 2, 3]
+    assert proposer().propose(tokens, 2) == [6, 0]  # "1 2 3" matches at 4; "2 3" alone would say 5 or 6
+    assert proposer(lo=3).propose([1, 2, 9, 1, 2], 2) == []  # only a 2-gram repeats
+    assert proposer().propose([1, 2, 3, 4], 2) == []  # nothing repeats
+    assert proposer().propose([1, 2], 2) == []  # too short to match anything
+
+
+# -- the engine, on and off ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return LLM(speculative_config=SPEC)
+
+
+def _tokens(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    return [c.token_ids for out in llm.generate(prompts, params) for c in out.outputs]
+
+
+def test_greedy_output_is_identical_and_drafts_are_accepted(plain: LLM, spec: LLM):
+    params = SamplingParams(max_tokens=96, temperature=0)
+    before = spec.engine.stats()
+    assert _tokens(spec, params) == _tokens(plain, params)
+    after = spec.engine.stats()
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert drafted > 0 and 0 < accepted <= drafted
+    per_position = after.spec_accepted_per_position
+    assert len(per_position) == 4 and per_position == sorted(per_position, reverse=True)
+    assert plain.engine.stats().spec_num_drafts == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=80, temperature=0.9, seed=11),
+        SamplingParams(max_tokens=80, temperature=0.7, top_p=0.9, top_k=40, seed=3, n=2),
+        SamplingParams(max_tokens=80, temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(max_tokens=80, temperature=0, frequency_penalty=0.7, min_tokens=30),
+    ],
+    ids=["seeded", "top-p-top-k-n2", "penalties", "greedy-penalty-min-tokens"],
+)
+def test_seeded_and_penalised_sampling_is_token_identical(plain: LLM, spec: LLM, params: SamplingParams):
+    assert _tokens(spec, params) == _tokens(plain, params)
+
+
+def test_stops_inside_an_accepted_window_end_the_request_there(plain: LLM, spec: LLM):
+    reference = _tokens(plain, SamplingParams(max_tokens=60, temperature=0))
+    for max_tokens in (1, 2, 3, 5, 7, 13):  # windows of up to 5 tokens end anywhere
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        assert _tokens(spec, params) == _tokens(plain, params)
+    # A stop token taken from the middle of a reference continuation, and a stop string.
+    stop_id = reference[0][20]
+    params = SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[stop_id])
+    assert _tokens(spec, params) == _tokens(plain, params)
+    text = plain.generate(PROMPTS[:1], SamplingParams(max_tokens=60, temperature=0))[0].outputs[0].text
+    params = SamplingParams(max_tokens=60, temperature=0, stop=[text[30:34]])
+    a, b = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
+    assert [o.outputs[0].finish_reason for o in a] == [o.outputs[0].finish_reason for o in b]
+
+
+def test_logprobs_of_accepted_tokens_match(plain: LLM, spec: LLM):
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=2)
+    a, b = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    for x, y in zip(a, b):
+        cx, cy = x.outputs[0], y.outputs[0]
+        assert cx.token_ids == cy.token_ids and len(cx.logprobs) == len(cy.logprobs)
+        for px, py in zip(cx.logprobs, cy.logprobs):
+            assert px.keys() == py.keys()
+            assert all(abs(px[t] - py[t]) < 1e-3 for t in px)
+
+
+def test_context_length_bounds_the_drafts():
+    prompt = [5, 6, 7, 8] * 8  # 32 tokens that repeat: every step has drafts
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    outs = {}
+    for speculative in (None, SPEC):
+        llm = LLM(max_model_len=48, speculative_config=speculative)
+        out = llm.generate([prompt], params)[0].outputs[0]
+        outs[speculative is None] = (out.token_ids, out.finish_reason)
+    assert outs[True] == outs[False] and len(outs[True][0]) == 16 and outs[True][1] == "length"
+
+
+def test_preemption_and_prefix_cache_with_drafts_give_the_same_output(plain: LLM):
+    # A pool so small that requests preempt each other; then the cache is full of blocks
+    # written during speculative steps, which later requests hit.
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    small = LLM(kv_cache_memory=40 * 16 * 1280, max_num_seqs=8, speculative_config=SPEC)
+    prompts = PROMPTS * 2
+    assert _tokens(small, params, prompts) == _tokens(plain, params, prompts)
+    assert small.engine.stats().num_preemptions > 0
+    first = _tokens(plain, params, PROMPTS[:1])[0]
+    follow_up = [*plain.tokenizer.encode(PROMPTS[0]), *first[:70]]
+    assert _tokens(small, params, [follow_up]) == _tokens(plain, params, [follow_up])
+    assert small.engine.stats().prefix_cache_hits > 0
+
+
+def test_structured_output_requests_run_without_drafts(plain: LLM, spec: LLM):
+    from dolmus.structured.spec import StructuredOutput
+
+    params = SamplingParams(max_tokens=20, temperature=0, structured_output=StructuredOutput.choice(["cat", "dog"]))
+    assert [o.outputs[0].text for o in spec.generate(PROMPTS, params)] == [
+        o.outputs[0].text for o in plain.generate(PROMPTS, params)
+    ]
+
+
+def test_batch_size_switch_turns_speculation_off(plain: LLM):
+    llm = LLM(speculative_config={**SPEC, "disable_by_batch_size": 2})
+    params = SamplingParams(max_tokens=40, temperature=0)
+    assert _tokens(llm, params) == _tokens(plain, params)  # 4 running: no drafts until 2 remain
+    solo = llm.engine.stats().spec_num_drafts
+    assert _tokens(llm, params, PROMPTS[:1]) == _tokens(plain, params, PROMPTS[:1])
+    assert llm.engine.stats().spec_num_drafts > solo
+
+
+def test_worker_process_executor_verifies_drafts_too(plain: LLM):
+    llm = LLM(executor="mp", speculative_config=SPEC)
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.8, seed=2)
+        assert _tokens(llm, params) == _tokens(plain, params)
+        assert llm.engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_bad_speculative_configs_are_refused():
+    for raw, message in [
+        ({"method": "medusa"}, "method must be one of"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"draft": 3}, "unknown keys"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=raw)
+
+
+def test_a_random_llama_with_speculation_gives_transformers_greedy_tokens(llama_dir):
+    from helpers import greedy, hf_greedy, random_prompts, run_tokens
+
+    # Repeating prompts (and random weights, which loop) give the proposer matches.
+    prompts = [p * 3 for p in random_prompts((5, 17, 33))]
+    llm = LLM(str(llama_dir), speculative_config=SPEC)
+    assert run_tokens(llm, prompts, greedy()) == [hf_greedy(llama_dir, p) for p in prompts]
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_served_with_a_speculative_config_flag(plain: LLM, tmp_path):
+    import json
+
+    import openai
+    from server_helpers import RemoteServer
+
+    with RemoteServer("--speculative-config", json.dumps(SPEC), log=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        got = client.completions.create(model="stories260k", prompt=PROMPTS[0], max_tokens=64, temperature=0)
+        want = plain.generate(PROMPTS[:1], SamplingParams(max_tokens=64, temperature=0))[0].outputs[0].text
+        assert got.choices[0].text == want
+        m = server.metrics()
+        assert 0 < m["dolmus:spec_decode_num_accepted_tokens_total"] <= m["dolmus:spec_decode_num_draft_tokens_total"]
+        assert m['dolmus:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
