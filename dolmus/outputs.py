@@ -16,6 +16,8 @@ class RequestMetrics:
     itl: list[float] = field(default_factory=list)  # each gap between output tokens
     e2e_latency: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative drafts proposed for it, and how many were kept
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -167,6 +167,31 @@ def test_structured_output_requests_run_without_drafts(plain: LLM, spec: LLM):
     ]
 
 
+def test_draft_length_adapts_to_a_requests_acceptance():
+    from dolmus.engine.kv_cache import KVCacheManager
+    from dolmus.engine.request import Request
+    from dolmus.engine.scheduler import Scheduler
+    from dolmus.step import StepResult
+
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, 4, 64, 500, speculative=SpeculativeConfig(num_speculative_tokens=4))
+    request = Request("r", [1, 2, 3] * 5, SamplingParams(max_tokens=100, ignore_eos=True), [0], 100)
+    sched.add(request)
+    lengths = []
+    for _ in range(6):
+        out = sched.schedule()
+        item = out.scheduled[0]
+        lengths.append(len(item.drafts))
+        # The target never agrees with a draft: each step yields one token, never a match...
+        sched.update(out, StepResult({"r": [7 if not item.drafts else item.drafts[0] + 1]}))
+        # ... which is then put back on the 1 2 3 cycle, so the proposer keeps finding drafts.
+        cycle = item.drafts[0] if item.drafts else 1
+        request.all_token_ids[-1] = request.output_token_ids[-1] = cycle
+    assert lengths[0] == 0 and lengths[1] == 4  # the prefill step, then a full window
+    assert lengths[1:] == sorted(lengths[1:], reverse=True) and lengths[-1] == 1
+    assert request.num_draft_tokens == sum(lengths) and request.num_accepted_tokens == 0
+
+
 def test_batch_size_switch_turns_speculation_off(plain: LLM):
     llm = LLM(speculative_config={**SPEC, "disable_by_batch_size": 2})
     params = SamplingParams(max_tokens=40, temperature=0)
@@ -218,6 +243,51 @@ def test_served_with_a_speculative_config_flag(plain: LLM, tmp_path):
         got = client.completions.create(model="stories260k", prompt=PROMPTS[0], max_tokens=64, temperature=0)
         want = plain.generate(PROMPTS[:1], SamplingParams(max_tokens=64, temperature=0))[0].outputs[0].text
         assert got.choices[0].text == want
+        details = got.usage.completion_tokens_details  # this request's drafts, as OpenAI names them
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
         m = server.metrics()
         assert 0 < m["dolmus:spec_decode_num_accepted_tokens_total"] <= m["dolmus:spec_decode_num_draft_tokens_total"]
         assert m['dolmus:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+
+
+def test_emitted_tokens_follow_the_target_distribution():
+    """Chi-square goodness of fit over 200k windows: the first emitted token of a window is a
+    plain draw from the target, and so is the second, given the first matched its draft."""
+    import torch
+
+    from dolmus.runtime.sampler import Sampler, SamplingRow
+
+    vocab, n = 8, 200_000
+    torch.manual_seed(0)
+    target = [torch.randn(vocab) * 1.5, torch.randn(vocab) * 1.5]  # positions 0 and 1 of a window
+    draft = int(target[0].argmax())  # a deterministic draft: the likeliest first token
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    rows = [SamplingRow(params, None, [1, 2, 3], 3, []) for _ in range(n)]
+    sampler = Sampler(torch.device("cpu"), seed=1234)
+    first = [s.token_id for s in sampler(target[0].expand(n, vocab).clone(), rows)]
+    second = [s.token_id for s in sampler(target[1].expand(n, vocab).clone(), rows)]
+    windows = [accepted_tokens([draft, 0], [a, b, 0]) for a, b in zip(first, second)]
+
+    def expected(logits: torch.Tensor) -> torch.Tensor:
+        probs = (logits / params.temperature).softmax(-1)
+        ordered, order = probs.sort(descending=True)
+        keep = ordered.cumsum(-1) - ordered < params.top_p  # the nucleus, as top-p defines it
+        out = torch.zeros(vocab)
+        out[order[keep]] = ordered[keep]
+        return out / out.sum()
+
+    def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+        support = probs > 0
+        assert counts[~support].sum() == 0  # nothing outside top-p
+        exp = probs[support].double() * len(tokens)
+        return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+    # Critical values of chi-square at p = 0.01 for 1..7 degrees of freedom.
+    critical = [6.635, 9.210, 11.345, 13.277, 15.086, 16.812, 18.475]
+    stat, dof = chi_square([w[0] for w in windows], expected(target[0]))
+    assert dof >= 1 and stat < critical[dof - 1], (stat, dof)
+    given = [w[1] for w in windows if len(w) > 1]  # the first token matched the draft
+    assert len(given) > 20_000
+    stat, dof = chi_square(given, expected(target[1]))
+    assert dof >= 1 and stat < critical[dof - 1], (stat, dof)

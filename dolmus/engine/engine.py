@@ -471,4 +471,6 @@ def _metrics(req: Request) -> RequestMetrics:
         itl=t.inter_token_latencies,
         e2e_latency=t.e2e_latency,
         num_preemptions=req.num_preemptions,
+        num_draft_tokens=req.num_draft_tokens,
+        num_accepted_tokens=req.num_accepted_tokens,
     )

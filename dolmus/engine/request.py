@@ -101,6 +101,11 @@ class Request:
         self.cumulative_logprob = 0.0
         self.timings = RequestTimings(arrival=arrival_time or time.monotonic())
         self.grammar: GrammarState | None = None  # set by the engine for structured output
+        # Speculative decoding: drafts proposed and accepted, and a moving average of the
+        # accepted share that sets how many drafts the next step tries.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.draft_acceptance = 1.0
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,11 @@ from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
+# Weight of the latest step in a request's moving average of accepted drafts: its next draft
+# length is that share of num_speculative_tokens (at least one), so requests whose drafts
+# keep failing stop paying for long windows and ones that copy their input get full ones.
+_ACCEPTANCE_EMA = 0.5
+
 
 @dataclass
 class ScheduledRequest:
@@ -227,7 +232,7 @@ class Scheduler:
             if item.num_new_tokens != 1 or not item.samples or r.grammar is not None:
                 continue
             room = min(
-                spec.num_speculative_tokens,
+                max(1, round(spec.num_speculative_tokens * r.draft_acceptance)),  # adaptive length
                 budget,
                 r.max_tokens - r.num_output_tokens - 1,  # the step yields drafts + 1 at most
                 self.max_model_len - r.num_tokens,  # every draft's KV needs a position
@@ -356,6 +361,10 @@ class Scheduler:
         return updated
 
     def _count_acceptance(self, item: ScheduledRequest, accepted: int) -> None:
+        r = item.request
+        r.num_draft_tokens += len(item.drafts)
+        r.num_accepted_tokens += accepted
+        r.draft_acceptance += _ACCEPTANCE_EMA * (accepted / len(item.drafts) - r.draft_acceptance)
         stats = self.spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(item.drafts)

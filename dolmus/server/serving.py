@@ -666,12 +666,21 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 def _usage(job: _Job, outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(ids) for ids in job.prompts)
     completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outputs)},
     }
+    metrics = [c.metrics for out in outputs for c in out.outputs if c.metrics is not None]
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    if drafted:  # speculative decoding, in the fields OpenAI uses for predicted outputs
+        accepted = sum(m.num_accepted_tokens for m in metrics)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return usage
 
 
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:

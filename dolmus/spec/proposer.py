@@ -21,8 +21,9 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
-    suffix (prompt_lookup_max tokens down to prompt_lookup_min) of the request's own tokens.
+    """Prompt lookup: the tokens that followed the latest earlier occurrence (with a whole
+    window after it, where one has) of the longest suffix (prompt_lookup_max tokens down to
+    prompt_lookup_min) of the request's own tokens.
 
     Pays where outputs repeat their input: summaries, code edits, extraction, RAG answers.
     """
@@ -42,7 +43,10 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # The latest match with a whole window after it (in a repeating run the very
+                # latest one runs into the suffix itself), else the latest.
+                whole = hits[hits + n + max_drafts <= length]
+                start = int(whole[-1] if whole.size else hits[-1]) + n
                 return tokens[start : start + max_drafts].tolist()
         return []
 

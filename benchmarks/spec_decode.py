@@ -1,0 +1,114 @@
+"""Speculative decoding on and off: output tokens/s and acceptance on the same prompts.
+
+A real chat model (SmolLM2-135M-Instruct, the GGUF in ../shared/models, loaded as bf16 or
+fp32) on tasks whose answers copy from their input, where prompt lookup has something to
+find (rewriting a paragraph, editing code), and on open questions, where it has little.
+Greedy, 128 output tokens; batch 1 and batch 8, runs interleaved (off, on, off, on, ...);
+the CPU pressure of each run is printed and runs over 5% are flagged. Output must be
+identical on and off, and the script says so.
+
+    python benchmarks/spec_decode.py [--model PATH] [--dtype float32] [--rounds 2] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "shared/models/smollm2-135m-instruct"
+PARAGRAPH = (
+    "The river rose quickly after three days of rain. Farmers moved their animals to the hills, "
+    "and the school in the valley closed its doors. By Friday the water had reached the old bridge, "
+    "and the mayor asked everyone to stay away from the banks until the level dropped."
+)
+CODE = (
+    "def total(items):\n    result = 0\n    for item in items:\n        result = result + item.price\n"
+    "    return result\n\n\ndef count(items):\n    result = 0\n    for item in items:\n"
+    "        result = result + 1\n    return result\n"
+)
+COPYING = [
+    f"Rewrite this paragraph with British spelling, changing nothing else:\n\n{PARAGRAPH}",
+    f"Add type hints to this Python code and return the whole file:\n\n{CODE}",
+    f"Repeat the following text exactly, then say 'done':\n\n{PARAGRAPH}",
+    f"Rename `result` to `acc` in this code and show all of it:\n\n{CODE}",
+]
+OPEN = ["Why is the sky blue?", "Give three tips for a job interview.", "What is a prime number?",
+        "Write a short poem about the sea."]  # fmt: skip
+
+
+def cpu_pressure_total() -> int:
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return int(line.rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(next(DEFAULT_MODEL.glob("*.gguf"), DEFAULT_MODEL)))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-threads", type=int, default=None)
+    args = ap.parse_args()
+
+    from dolmus import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    common = {"dtype": args.dtype, "num_threads": args.num_threads}
+    llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=spec, **common)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    workloads = {
+        "copying, batch 1": [[p] for p in COPYING],
+        "open, batch 1": [[p] for p in OPEN],
+        "copying, batch 8": [COPYING * 2],
+        "open, batch 8": [OPEN * 2],
+    }
+    best: dict[tuple[str, str], float] = {}
+    outputs: dict[tuple[str, str], list] = {}
+    acceptance: dict[str, tuple[int, int, int]] = {}
+    for name, batches in workloads.items():
+        for _ in range(args.rounds):
+            for mode, llm in llms.items():
+                before = llm.engine.stats()
+                pressure, start = cpu_pressure_total(), time.monotonic()
+                tokens, texts = 0, []
+                for batch in batches:
+                    convs = [[{"role": "user", "content": p}] for p in batch]
+                    for out in llm.chat(convs, params):
+                        tokens += len(out.outputs[0].token_ids)
+                        texts.append(out.outputs[0].token_ids)
+                seconds = time.monotonic() - start
+                stall = (cpu_pressure_total() - pressure) / 1e6 / seconds
+                rate = tokens / seconds
+                after = llm.engine.stats()
+                flag = "  (disturbed)" if stall > 0.05 else ""
+                print(f"{name:18s} {mode:3s}: {rate:7.1f} tok/s  cpu pressure {100 * stall:4.1f}%{flag}", flush=True)
+                if stall <= 0.05:
+                    best[(name, mode)] = max(best.get((name, mode), 0.0), rate)
+                outputs[(name, mode)] = texts
+                if mode == "on":
+                    acceptance[name] = (
+                        after.spec_num_drafts - before.spec_num_drafts,
+                        after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                        after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+                    )
+    print("\n| workload | off tok/s | on tok/s | on / off | drafted | accepted | mean accepted per draft step | same output |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in workloads:
+        off, on = best.get((name, "off")), best.get((name, "on"))
+        drafts, drafted, accepted = acceptance[name]
+        ratio = f"{on / off:.2f}x" if off and on else "n/a"
+        same = outputs[(name, "off")] == outputs[(name, "on")]
+        mean = 1 + accepted / drafts if drafts else 1.0
+        print(f"| {name} | {off or 0:.1f} | {on or 0:.1f} | {ratio} | {drafted} | {accepted} | {mean:.2f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
