@@ -100,7 +100,7 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,12 @@ class SpeculativeConfig:
     # Speculation is off in steps with more running requests than this (there the step is
     # bound by compute, and verifying drafts only adds work); None: never off.
     disable_by_batch_size: int | None = None
+    # suffix: finished requests whose outputs are kept to draft from (least recently used go)
+    suffix_decoding_max_cached_requests: int = 10_000
 
     def __post_init__(self) -> None:
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be >= 0")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if self.num_speculative_tokens < 1:

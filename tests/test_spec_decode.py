@@ -291,3 +291,39 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert len(given) > 20_000
     stat, dof = chi_square(given, expected(target[1]))
     assert dof >= 1 and stat < critical[dof - 1], (stat, dof)
+
+
+# -- suffix decoding ---------------------------------------------------------------------------
+
+
+def test_suffix_proposer_drafts_from_earlier_outputs_and_stays_bounded():
+    from dolmus.spec.proposer import SuffixProposer
+
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=2))
+    assert p.propose([40, 41, 42], 3) == []  # nothing seen, nothing repeated
+    p.observe([9, 40, 41, 42, 43, 44, 45])
+    assert p.propose([1, 40, 41, 42], 3) == [43, 44, 45]  # another request said what follows
+    # A tie goes to the request's own tokens; a longer match elsewhere wins.
+    mine = [7, 8, 5, 6, 3, 7, 8]
+    p.observe([7, 8, 100, 101])
+    assert p.propose(mine, 2) == [5, 6]
+    p.observe([6, 3, 7, 8, 300, 301])  # a third output: the oldest one leaves, with its index entries
+    assert p.propose(mine, 2) == [300, 301]
+    assert len(p.outputs) == 2 and p.propose([1, 40, 41, 42], 3) == []
+    assert all(oid in p.outputs for oid, _ in p.index.values())
+
+
+def test_suffix_decoding_speeds_up_repeated_requests_without_changing_them(plain: LLM):
+    llm = LLM(speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    params = SamplingParams(max_tokens=64, temperature=0)
+    prompts = ["One day, Lily went to the park", "The sun was hot"]
+    first = _tokens(llm, params, prompts)
+    cold = llm.engine.stats()
+    assert _tokens(llm, params, prompts) == first == _tokens(plain, params, prompts)
+    warm = llm.engine.stats()
+    # The second time round, each request's answer is in the index: most drafts are kept
+    # (not all: short n-grams shared by the two answers sometimes point at the other one).
+    drafted = warm.spec_num_draft_tokens - cold.spec_num_draft_tokens
+    accepted = warm.spec_num_accepted_tokens - cold.spec_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.75 * drafted
+    assert warm.spec_num_accepted_tokens - cold.spec_num_accepted_tokens > cold.spec_num_accepted_tokens

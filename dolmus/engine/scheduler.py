@@ -125,6 +125,8 @@ class Scheduler:
         request.status = status
         request.timings.finished = time.monotonic()
         self._finished_ids.append(request_id)
+        if self.proposer is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.proposer.observe(request.output_token_ids)  # what suffix drafts are made of
         return request
 
     def _preempt(
