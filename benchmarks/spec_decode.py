@@ -3,11 +3,12 @@
 A real chat model (SmolLM2-135M-Instruct, the GGUF in ../shared/models, loaded as bf16 or
 fp32) on tasks whose answers copy from their input, where prompt lookup has something to
 find (rewriting a paragraph, editing code), and on open questions, where it has little.
-Greedy, 128 output tokens; batch 1 and batch 8, runs interleaved (off, on, off, on, ...);
+Greedy, 128 output tokens; batch 1 and 8 by default (--batches), runs interleaved (off, on, ...);
 the CPU pressure of each run is printed and runs over 5% are flagged. Output must be
 identical on and off, and the script says so.
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype float32] [--rounds 2] [--k 4]
+        [--batches 1,8,32] [--method ngram|suffix]
 """
 
 from __future__ import annotations
@@ -56,20 +57,21 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--batches", default="1,8", help="comma list of batch sizes (each a multiple of 4, or 1)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
     args = ap.parse_args()
 
     from dolmus import LLM, SamplingParams
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    spec = {"method": args.method, "num_speculative_tokens": args.k}
     common = {"dtype": args.dtype, "num_threads": args.num_threads}
     llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=spec, **common)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    workloads = {
-        "copying, batch 1": [[p] for p in COPYING],
-        "open, batch 1": [[p] for p in OPEN],
-        "copying, batch 8": [COPYING * 2],
-        "open, batch 8": [OPEN * 2],
-    }
+    workloads = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        for kind, prompts in (("copying", COPYING), ("open", OPEN)):
+            runs = [[p] for p in prompts] if batch == 1 else [prompts * (batch // len(prompts))]
+            workloads[f"{kind}, batch {batch}"] = runs
     best: dict[tuple[str, str], float] = {}
     outputs: dict[tuple[str, str], list] = {}
     acceptance: dict[str, tuple[int, int, int]] = {}
