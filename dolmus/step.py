@@ -58,8 +58,9 @@ class StepPlan(msgspec.Struct):
     draft_token_ids: dict[str, list[int]] = {}  # speculative tokens to check
     finished_ids: list[str] = []  # the runner drops their state
     preempted_ids: list[str] = []  # likewise; they come back as new requests
-    # Structured output: int32 words (bit set = token allowed), one row per constrained request
-    # that samples this step, rows in `grammar_request_ids` order, as raw bytes (native byte order).
+    # Structured output: int32 words (bit set = token allowed), one row per sampled position of
+    # each constrained request (1 + its drafts; a request's rows are consecutive), rows in
+    # `grammar_request_ids` order, as raw bytes (native byte order).
     grammar_bitmask: bytes | None = None
     grammar_request_ids: list[str] = []
 

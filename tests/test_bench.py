@@ -291,3 +291,18 @@ def _as_result(r: dict):
 
     fields = {k: v for k, v in r.items() if k != "tpot"}
     return RequestResult(**fields)
+
+
+def test_bench_reads_speculative_acceptance_from_the_servers_metrics() -> None:
+    from dolmus.bench.report import _server_line
+    from dolmus.bench.server_metrics import run_delta
+
+    before = {"spec_decode_num_drafts_total": 10.0, "spec_decode_num_draft_tokens_total": 40.0,
+              "spec_decode_num_accepted_tokens_total": 20.0}  # fmt: skip
+    after = {"spec_decode_num_drafts_total": 30.0, "spec_decode_num_draft_tokens_total": 120.0,
+             "spec_decode_num_accepted_tokens_total": 80.0}  # fmt: skip
+    server = run_delta(before, after)
+    assert server["spec_acceptance_rate"] == pytest.approx(60 / 80)
+    assert server["spec_mean_acceptance_length"] == pytest.approx(1 + 60 / 20)
+    assert "draft acceptance 75% (4.00 tokens per drafting step)" in _server_line(server)
+    assert "spec_acceptance_rate" not in run_delta({"x": 1.0}, {"x": 2.0})  # a server without drafts

@@ -158,13 +158,22 @@ def test_preemption_and_prefix_cache_with_drafts_give_the_same_output(plain: LLM
     assert small.engine.stats().prefix_cache_hits > 0
 
 
-def test_structured_output_requests_run_without_drafts(plain: LLM, spec: LLM):
+def test_structured_output_drafts_are_checked_against_the_grammar(plain: LLM, spec: LLM):
     from dolmus.structured.spec import StructuredOutput
 
-    params = SamplingParams(max_tokens=20, temperature=0, structured_output=StructuredOutput.choice(["cat", "dog"]))
-    assert [o.outputs[0].text for o in spec.generate(PROMPTS, params)] == [
-        o.outputs[0].text for o in plain.generate(PROMPTS, params)
-    ]
+    # A grammar that repeats itself, so prompt lookup has drafts, and the grammar has a say.
+    regex = StructuredOutput.regex("(the cat sat on the mat\\. ){3}(and the dog ran\\.|and that was all\\.)")
+    schema = StructuredOutput.json_schema(
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    )
+    before = spec.engine.stats().spec_num_drafts
+    for structured in (regex, schema, StructuredOutput.choice(["cat", "dog"])):
+        params = SamplingParams(max_tokens=60, temperature=0, structured_output=structured)
+        got = [o.outputs[0].text for o in spec.generate(PROMPTS, params)]
+        assert got == [o.outputs[0].text for o in plain.generate(PROMPTS, params)]
+    assert spec.engine.stats().spec_num_drafts > before  # the regex's repeats were drafted
+    seeded = SamplingParams(max_tokens=60, temperature=0.9, seed=4, structured_output=regex)
+    assert _tokens(spec, seeded) == _tokens(plain, seeded)
 
 
 def test_draft_length_adapts_to_a_requests_acceptance():

@@ -66,6 +66,11 @@ def _server_line(server: dict[str, Any]) -> str:
     for key, name in (("mean_ttft", "TTFT"), ("mean_tpot", "TPOT"), ("mean_queue_time", "queue")):
         if key in server:
             parts.append(f"mean {name} {1000 * server[key]:.0f} ms")
+    if "spec_acceptance_rate" in server:
+        parts.append(
+            f"draft acceptance {100 * server['spec_acceptance_rate']:.0f}% "
+            f"({server.get('spec_mean_acceptance_length', 1):.2f} tokens per drafting step)"
+        )
     if "cost_per_million_generation_tokens" in server:
         parts.append(
             f"cost per 1M tokens: prompt {server['cost_per_million_prompt_tokens']:.4g}, "

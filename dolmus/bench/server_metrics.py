@@ -50,6 +50,9 @@ def run_delta(before: dict[str, float] | None, after: dict[str, float] | None) -
         return total / count if total is not None and count else None
 
     hits, queries = delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total")
+    # Speculative decoding (same names in vLLM): acceptance, and tokens per drafting step.
+    drafts, drafted = delta("spec_decode_num_drafts_total"), delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
     out: dict[str, Any] = {
         "prompt_tokens": delta("prompt_tokens_total"),
         "generation_tokens": delta("generation_tokens_total"),
@@ -62,6 +65,8 @@ def run_delta(before: dict[str, float] | None, after: dict[str, float] | None) -
         "mean_tpot": mean("request_time_per_output_token_seconds"),
         "mean_e2e": mean("e2e_request_latency_seconds"),
         "mean_queue_time": mean("request_queue_time_seconds"),
+        "spec_acceptance_rate": accepted / drafted if accepted is not None and drafted else None,
+        "spec_mean_acceptance_length": 1 + accepted / drafts if accepted is not None and drafts else None,
         "cost_per_million_prompt_tokens": after.get("cost_per_million_prompt_tokens"),
         "cost_per_million_generation_tokens": after.get("cost_per_million_generation_tokens"),
     }

@@ -339,16 +339,25 @@ class Engine:
 
     def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """Allowed tokens of each constrained request that samples this step, as plain data."""
-        constrained = [s.request for s in sched.scheduled if s.request.grammar is not None and s.samples]
+        constrained = [s for s in sched.scheduled if s.request.grammar is not None and s.samples]
         if not constrained:
             return
-        bitmask = torch.empty(
-            (len(constrained), bitmask_words(self.model_config.vocab_size)), dtype=torch.int32
-        )
-        for row, request in enumerate(constrained):
-            request.grammar.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+        num_rows = sum(1 + len(s.drafts) for s in constrained)
+        bitmask = torch.empty((num_rows, bitmask_words(self.model_config.vocab_size)), dtype=torch.int32)
+        row, ids = 0, []
+        for item in constrained:
+            grammar = item.request.grammar
+            assert grammar is not None
+            # One row per sampled position: after each draft, as if it were accepted, then undone.
+            for i in range(len(item.drafts) + 1):
+                grammar.fill_bitmask(bitmask, row)
+                ids.append(item.request.request_id)
+                row += 1
+                if i < len(item.drafts):
+                    grammar.accept(item.drafts[i])  # the scheduler checked that it is allowed
+            grammar.rollback(len(item.drafts))
         sched.plan.grammar_bitmask = bitmask.numpy().tobytes()
-        sched.plan.grammar_request_ids = [r.request_id for r in constrained]
+        sched.plan.grammar_request_ids = ids
 
     def _account_busy(self, seconds: float, prefill_tokens: int, total_tokens: int) -> None:
         if total_tokens:

@@ -26,6 +26,7 @@ from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.spec.proposer import Proposer, make_proposer
+from dolmus.structured.backend import GrammarState
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class Scheduler:
             if budget <= 0:
                 break
             r = item.request
-            if item.num_new_tokens != 1 or not item.samples or r.grammar is not None:
+            if item.num_new_tokens != 1 or not item.samples:
                 continue
             room = min(
                 max(1, round(spec.num_speculative_tokens * r.draft_acceptance)),  # adaptive length
@@ -243,6 +244,8 @@ class Scheduler:
             if room <= 0:
                 continue
             drafts = self.proposer.propose(r.all_token_ids, room)
+            if r.grammar is not None:
+                drafts = _grammatical_prefix(r.grammar, drafts)
             if not drafts or not self.kv.allocate(r, 1 + len(drafts)):
                 continue  # nothing to guess, or no blocks for it: a plain decode, never a preemption
             item.drafts = drafts
@@ -405,3 +408,14 @@ class Scheduler:
     @property
     def num_preempted_waiting(self) -> int:
         return self.waiting.num_preempted
+
+
+def _grammatical_prefix(grammar: GrammarState, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the request's grammar forbids; the grammar is left as it was."""
+    kept = 0
+    for token in drafts:
+        if grammar.is_terminated or not grammar.accept(token):
+            break
+        kept += 1
+    grammar.rollback(kept)
+    return drafts[:kept]

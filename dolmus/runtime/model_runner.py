@@ -272,7 +272,9 @@ class ModelRunner:
 
         sample_index, rows, ids = [], [], []
         offset = 0
-        grammar_rows = {rid: i for i, rid in enumerate(plan.grammar_request_ids)}
+        grammar_rows: dict[str, int] = {}  # a request's first row; its drafted positions follow
+        for i, rid in enumerate(plan.grammar_request_ids):
+            grammar_rows.setdefault(rid, i)
         for rid, seq, n in ordered:
             offset += n
             seq.num_computed_tokens += n
@@ -282,7 +284,9 @@ class ModelRunner:
             # Every drafted position is sampled as if its drafts were the request's own tokens.
             for i in range(k + 1):
                 sample_index.append(offset - 1 - k + i)
-                rows.append(self._sampling_row(seq, grammar_rows.get(rid), len(seq.token_ids) - k + i))
+                first = grammar_rows.get(rid)
+                grammar_row = None if first is None else first + i
+                rows.append(self._sampling_row(seq, grammar_row, len(seq.token_ids) - k + i))
                 ids.append(rid)
         if not rows:
             return StepResult()

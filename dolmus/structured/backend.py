@@ -27,6 +27,10 @@ class GrammarState(Protocol):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts are checked, then undone)."""
+        ...
+
     @property
     def is_terminated(self) -> bool: ...
 

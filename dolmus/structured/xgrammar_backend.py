@@ -76,6 +76,10 @@ class _XGrammarState:
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if self._extra_mask is not None:
