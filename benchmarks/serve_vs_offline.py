@@ -26,15 +26,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pressure import cpu_pressure_total  # noqa: E402  (benchmarks/, next to this script)
+
 PROMPT_LEN = 32
-
-
-def cpu_pressure_total() -> int:
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return int(line.rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def offline(requests: int, output_len: int, threads: int | None) -> float:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pressure import cpu_pressure_total  # noqa: E402  (benchmarks/, next to this script)
+
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "shared/models/smollm2-135m-instruct"
 PARAGRAPH = (
     "The river rose quickly after three days of rain. Farmers moved their animals to the hills, "
@@ -39,14 +41,6 @@ COPYING = [
 ]
 OPEN = ["Why is the sky blue?", "Give three tips for a job interview.", "What is a prime number?",
         "Write a short poem about the sea."]  # fmt: skip
-
-
-def cpu_pressure_total() -> int:
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return int(line.rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def main() -> None:
