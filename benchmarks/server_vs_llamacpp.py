@@ -24,19 +24,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llama_body_model import llama_body_dir  # noqa: E402
+from pressure import cpu_pressure_total as cpu_pressure  # noqa: E402
 
 from dolmus.bench.spawn import free_port  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
 from dolmus.convert import convert_to_gguf  # noqa: E402
-
-
-def cpu_pressure() -> float:
-    """Total microseconds some task waited for a CPU (Linux PSI), or 0 where unavailable."""
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return float(line.rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def run_llamacpp(gguf: Path, bench_args: list[str], out: Path) -> tuple[int, float]:

@@ -30,7 +30,7 @@ from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
 from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
 from dolmus.engine.async_engine import AsyncEngine
-from dolmus.server.access import parse_tiers
+from dolmus.server.access import parse_tiers, scheduling_specs
 from dolmus.engine.engine import Engine, load_tokenizer
 from dolmus.sampling_params import SamplingParams
 
@@ -73,9 +73,9 @@ def load_config(path: str | Path) -> ReplayConfig:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
         tiers = {name: t.priority for name, t in parsed.items()}
-        specs = [dataclasses.asdict(t.spec) for t in parsed.values() if t.spec is not None]
-        if any(TierSpec(**s) != TierSpec(s["priority"]) for s in specs):
-            raw["tier_specs"] = specs
+        specs = scheduling_specs(parsed)
+        if specs:
+            raw["tier_specs"] = [dataclasses.asdict(spec) for spec in specs]
     raw.pop("model", None)
     unknown = set(raw) - _ENGINE_FIELDS
     if unknown:

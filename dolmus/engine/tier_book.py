@@ -50,9 +50,6 @@ class TierBook:
         # Requests that may time out in the queue, per tier, oldest first.
         self._queued: list[deque[Request]] = [deque() for _ in self.specs]
 
-    def __bool__(self) -> bool:
-        return bool(self.specs)
-
     def tier_index(self, priority: int) -> int:
         """The most urgent tier at least as lax as `priority` (the first tier if none is)."""
         return max(0, bisect.bisect_right(self._priorities, priority) - 1)

@@ -193,9 +193,7 @@ class AccessPolicy:
         return max(asked, client.priority) if client.capped else asked
 
     def engine_tiers(self) -> tuple[TierSpec, ...]:
-        """The tiers as the engine schedules them; none when no tier asks for anything."""
-        specs = tuple(t.spec for t in self.tiers.values() if t.spec is not None)
-        return specs if any(s != TierSpec(s.priority) for s in specs) else ()
+        return scheduling_specs(self.tiers)
 
     def tier_of(self, priority: int) -> Tier:
         """The tier a request of this priority is counted in: the most urgent one at least as
@@ -206,6 +204,12 @@ class AccessPolicy:
             if tier.priority <= priority:
                 found = tier
         return found
+
+
+def scheduling_specs(tiers: dict[str, Tier]) -> tuple[TierSpec, ...]:
+    """The tiers as the engine schedules them; none when no tier asks for anything."""
+    specs = tuple(t.spec for t in tiers.values() if t.spec is not None)
+    return specs if any(s != TierSpec(s.priority) for s in specs) else ()
 
 
 def _is_positive_number(value: Any) -> bool:
