@@ -122,7 +122,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,
-        help="our AVX-512 C kernels for bf16 on CPU: int8/int4, RMSNorm, decode attention (else PyTorch's)",
+        help="our C kernels on CPU (else PyTorch's): AVX-512 ones for bf16 (int8/int4, RMSNorm, decode "
+        "attention), AVX2 ones for GGUF Q4_0/Q4_1/Q8_0 weights as stored",
     )
     g.add_argument(
         "--tier-specs",
@@ -285,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("model", help="Hugging Face model folder")
     conv.add_argument("--to", choices=["gguf"], default="gguf")
     conv.add_argument("--out", required=True, help="the .gguf file to write")
-    conv.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    conv.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"])
     conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server and report latencies")

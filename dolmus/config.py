@@ -163,7 +163,9 @@ class EngineConfig:
     quant_group_size: int = choice(32, (32, 64, 128))  # int4: inputs per scale
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = choice("int8", ("int8", "w8a8", "int4"))  # int4: the LM head's format
-    native_kernels: bool = True  # our AVX-512 C kernels (int8/int4, norm, decode attention) for bf16 CPU runs
+    # our C kernels: AVX-512 ones (int8/int4, norm, decode attention) for bf16 CPU runs, AVX2
+    # ones for GGUF's Q4_0/Q4_1/Q8_0 blocks as stored
+    native_kernels: bool = True
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
     # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)

@@ -1,7 +1,7 @@
 """`dolmus convert --to gguf`: write a Hugging Face folder as a llama.cpp GGUF file.
 
 Llama, Mistral (both as GGUF "llama"), Qwen2 and Qwen3 with a SentencePiece tokenizer
-(tokenizer.model). Tensor types: f32, f16, bf16, or q8_0 / q4_0 for the 2-D weights
+(tokenizer.model). Tensor types: f32, f16, bf16, or q8_0 / q4_0 / q4_1 for the 2-D weights
 (norms stay f32, as llama.cpp's own converter keeps them). For GGUF "llama" the q/k rows are
 permuted from Hugging Face's half-split rotary layout to llama.cpp's interleaved one.
 """
@@ -23,7 +23,7 @@ GGUF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -106,11 +106,16 @@ def convert_to_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "
         "bf16": LlamaFileType.MOSTLY_BF16,
         "q8_0": LlamaFileType.MOSTLY_Q8_0,
         "q4_0": LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": LlamaFileType.MOSTLY_Q4_1,
     }
     writer.add_file_type(file_types[tensor_type])
     _add_tokenizer(writer, model_dir, cfg["vocab_size"])
 
-    qtypes = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+    qtypes = {
+        "q8_0": GGMLQuantizationType.Q8_0,
+        "q4_0": GGMLQuantizationType.Q4_0,
+        "q4_1": GGMLQuantizationType.Q4_1,
+    }
     for name, tensor in iter_weights(safetensors_files(model_dir)):
         t = tensor.float()
         if arch == "llama" and name.endswith("q_proj.weight"):

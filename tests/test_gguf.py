@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from dolmus import LLM, SamplingParams
 from dolmus.cli import main
 from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
-from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.runtime import native as native_build
 from dolmus.runtime.gguf_loader import hf_to_gguf_name, iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear
@@ -80,7 +80,7 @@ def test_quantized_gguf_equals_its_dequantized_weights(tmp_path, model_root, arc
     folder = tmp_path / "dequantized"
     folder.mkdir()
     weights = dict(iter_gguf_weights(q4, cfg.architecture, cfg.num_heads, cfg.num_kv_heads))
-    # Linear weights keep their Q4_0 codes; they decode to what the gguf package decodes.
+    # Linear weights keep their Q4_0 blocks; they decode to what the gguf package decodes.
     reader = gguf.GGUFReader(str(q4))
     by_gguf_name = {hf_to_gguf_name(name): name for name in weights}
     kept = 0
@@ -89,13 +89,13 @@ def test_quantized_gguf_equals_its_dequantized_weights(tmp_path, model_root, arc
             name = by_gguf_name[t.name]
             expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
             if name.endswith("_proj.weight"):
-                assert isinstance(weights[name], Int4Codes)
+                assert isinstance(weights[name], BlockCodes)
                 assert torch.equal(weights[name].dequantize(), expected.reshape(weights[name].shape))
                 kept += 1
             else:  # the embedding: a float table
                 assert torch.equal(weights[name], expected.reshape(weights[name].shape))
     assert kept >= 7 * 2  # every linear layer
-    floats = {k: (v.dequantize() if isinstance(v, Int4Codes) else v).contiguous() for k, v in weights.items()}
+    floats = {k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()}
     save_file(floats, folder / "model.safetensors")
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(src / name, folder / name)
@@ -228,7 +228,7 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
         torch.testing.assert_close(weights[by_gguf_name[gguf_name]], expected, rtol=0, atol=1e-6)
     folder = tmp_path / "decoded"
     folder.mkdir()
-    floats = {k: (v.dequantize() if isinstance(v, Int4Codes) else v).contiguous() for k, v in weights.items()}
+    floats = {k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()}
     save_file(floats, folder / "model.safetensors")
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(src / name, folder / name)

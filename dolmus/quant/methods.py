@@ -18,7 +18,7 @@ def make_linear_method(
     native_kernels: bool = True,
 ) -> LinearMethod:
     if quantization is None:
-        return UnquantizedLinearMethod(prepack=prepack)
+        return UnquantizedLinearMethod(prepack=prepack, native=native_kernels)
     if quantization == "int8":
         return Int8WeightOnlyMethod(native_kernels)
     if quantization == "int4":

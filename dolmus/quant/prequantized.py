@@ -1,10 +1,14 @@
-"""A pre-quantized checkpoint's 4-bit codes (GPTQ, AWQ, GGUF Q4_0), placed once a layer is loaded.
+"""A pre-quantized checkpoint's codes (GPTQ, AWQ, GGUF Q4_0/Q4_1/Q8_0), placed once a layer is loaded.
 
 The loader wraps the engine's linear method in `PrequantizedMethod` where the checkpoint can
-carry codes (checkpoint.py and gguf_loader.py hand them over as `Int4Codes`). A layer whose
-codes our int4 kernel can take runs them as stored (no float round trip); any other gets
-the float weight they stand for and goes on under the wrapped method, which may quantize
-it again on load. Either way the layer ends with its own method and state.
+carry codes (checkpoint.py hands GPTQ/AWQ over as `Int4Codes`, gguf_loader.py GGUF blocks as
+`BlockCodes`). A layer whose codes one of our kernels can take runs them as stored (no float
+round trip); any other gets the float weight they stand for and goes on under the wrapped
+method, which may quantize it again on load. Either way the layer ends with its own method
+and state. Kernels, in order of preference:
+- the int4 kernel of kernels.py's table where it takes checkpoint codes (AVX-512 bf16 on the
+  CPU, Triton on a GPU): `Int4Codes`, and 4-bit GGUF blocks converted to them;
+- for GGUF blocks, block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dolmus.quant import gguf_blocks
 from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.quant.kernels import int4_kernel
 from dolmus.quant.weight_only import Int4WeightOnlyMethod
 from dolmus.runtime.layers.linear import Linear
@@ -24,10 +30,13 @@ from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, Store
 class PendingCodes(LinearState):
     """A layer's checkpoint codes by shard, kept while the checkpoint loads."""
 
-    parts: dict[str | None, Int4Codes] = field(default_factory=dict)
+    parts: dict[str | None, Int4Codes | BlockCodes] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(tensor_bytes(p.codes, p.zeros, p.scale) for p in self.parts.values())
+        return sum(
+            p.nbytes() if isinstance(p, BlockCodes) else tensor_bytes(p.codes, p.zeros, p.scale)
+            for p in self.parts.values()
+        )
 
 
 class PrequantizedMethod(LinearMethod):
@@ -41,7 +50,7 @@ class PrequantizedMethod(LinearMethod):
     def load_weight(
         self, layer: Linear, shard: str | None, target: torch.Tensor, loaded: torch.Tensor | StoredWeight
     ) -> None:
-        if not isinstance(loaded, Int4Codes):
+        if not isinstance(loaded, (Int4Codes, BlockCodes)):
             self.inner.load_weight(layer, shard, target, loaded)
             return
         state = layer.method_state
@@ -56,7 +65,10 @@ class PrequantizedMethod(LinearMethod):
         if isinstance(pending, PendingCodes):
             if _run_as_stored(layer, pending.parts, self.native):
                 return
-            for shard, part in pending.parts.items():
+            if _run_blocks(layer, pending.parts, self.native):
+                return
+            # A tied head's codes are its embedding's, which loaded as the same floats.
+            for shard, part in pending.parts.items() if not layer.weight_shared else ():
                 start, size = layer.shard_offsets[shard]
                 layer.weight.data.narrow(0, start, size).copy_(part.dequantize())
             layer.checkpoint_layout = "dequantized"
@@ -69,18 +81,21 @@ class PrequantizedMethod(LinearMethod):
         return PrequantizedMethod(self.inner.head_method())
 
 
-def _run_as_stored(layer: Linear, parts: dict[str | None, Int4Codes], native: bool) -> bool:
+def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
     """Give the layer its codes on our int4 kernel, if that kernel can take them as stored."""
-    groups = {p.group for p in parts.values()}
-    group = min(groups)
     weight = layer.weight
     kernel = int4_kernel(weight.device, weight.dtype, native)
+    if not (kernel.takes_checkpoint_codes and kernel.available()):
+        return False
+    if any(isinstance(p, BlockCodes) and p.bits != 4 for p in stored.values()):
+        return False
+    parts = {s: p.int4_codes() if isinstance(p, BlockCodes) else p for s, p in stored.items()}
+    groups = {p.group for p in parts.values()}
+    group = min(groups)
     fits = (
         parts.keys() == layer.shard_offsets.keys()
         and len(groups) == 1
         and all(p.g_idx is None for p in parts.values())  # act order scatters the groups
-        and kernel.takes_checkpoint_codes
-        and kernel.available()
         and kernel.accepts(layer.out_features, layer.in_features, group)
     )
     if not fits:
@@ -96,3 +111,17 @@ def _run_as_stored(layer: Linear, parts: dict[str | None, Int4Codes], native: bo
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     layer.checkpoint_layout = "int4 kernel"
     return True
+
+
+def _run_blocks(layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
+    """Give the layer its GGUF blocks on block_kernels.c, if they run here."""
+    blocks = [p for p in parts.values() if isinstance(p, BlockCodes)]
+    fits = (
+        parts.keys() == layer.shard_offsets.keys()
+        and len(blocks) == len(parts)
+        and len({p.bits for p in blocks}) == 1
+        and gguf_blocks.kernels_available(layer, native)
+    )
+    if fits:
+        gguf_blocks.place_blocks(layer, parts)  # type: ignore[arg-type]
+    return fits

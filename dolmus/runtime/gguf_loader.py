@@ -1,10 +1,11 @@
 """llama.cpp GGUF files as a model source: config, tokenizer and weights.
 
 transformers reads the architecture and the tokenizer from the file's metadata; the gguf
-package reads the tensors. Q4_0 linear weights keep their codes (`Int4Codes`: blocks of 32
-with one scale, w = d * (q - 8)), so bf16 CPU runs use them as stored on our int4 kernel;
-every other type it knows (F32, F16, BF16, Q8_0, Q4_K, Q6_K, ...) is dequantized to float
-on load (add --quantization to requantize for our kernels). The file's type maps to a
+package reads the tensors. Q4_0, Q4_1 and Q8_0 linear weights keep their blocks
+(`BlockCodes`, quant/gguf_blocks.py) and run as stored where our kernels run (prequantized.py
+decides); where a tied embedding is in one of those types, the LM head gets its blocks too.
+Every other type the package knows (F32, F16, BF16, Q4_K, Q6_K, ...) is dequantized to float
+on load (add --quantization to requantize those for our kernels). The file's type maps to a
 registered architecture (runtime/models/registry.py); names map back to Hugging Face's,
 and where the architecture says llama.cpp interleaves the q/k rotary halves (Llama,
 Mistral) those rows are permuted back to Hugging Face's halves.
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.gguf_blocks import GGUF_BLOCK_TYPES, BlockCodes, from_gguf_blocks
 from dolmus.runtime.models import registry
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def iter_gguf_weights(
     quantized: set[str] = set()
     kept: set[str] = set()
     permuted = registry.architecture(architecture).gguf_interleaved_qk
+    tied_head = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
         if bar is not None:
             bar.update(1)
@@ -169,43 +171,36 @@ def iter_gguf_weights(
             continue
         name = _hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
-        tensor: torch.Tensor | Int4Codes
+        type_name = t.tensor_type.name
+        blocks = type_name in GGUF_BLOCK_TYPES and len(shape) == 2
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            tensor = torch.from_numpy(t.data.reshape(shape).copy())
-        elif t.tensor_type == gguf.GGMLQuantizationType.Q4_0 and name.endswith(_LINEAR_WEIGHTS):
-            kept.add(t.tensor_type.name)
-            tensor = q4_0_codes(np.asarray(t.data), shape)
+            tensor: torch.Tensor | BlockCodes = torch.from_numpy(t.data.reshape(shape).copy())
+        elif blocks and name.endswith(_LINEAR_WEIGHTS):
+            kept.add(type_name)
+            tensor = from_gguf_blocks(type_name, t.data, shape)
         else:
-            quantized.add(t.tensor_type.name)
+            quantized.add(type_name)
             array = gguf.quants.dequantize(t.data, t.tensor_type)
             tensor = torch.from_numpy(array.reshape(shape).copy())
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if "q_proj" in name else num_kv_heads
-            if isinstance(tensor, Int4Codes):  # rows move with their scales
-                tensor = Int4Codes(
-                    *(_unpermute(x, heads) for x in (tensor.codes, tensor.zeros, tensor.scale)), 32
-                )
+            if isinstance(tensor, BlockCodes):  # rows move with their scales
+                tensor = tensor.rows(_unpermute(torch.arange(shape[0]), heads))
             else:
                 tensor = _unpermute(tensor, heads)
         yield name, tensor
+        if tied_head and blocks and name == "model.embed_tokens.weight":
+            # The head multiplies by the embedding: let it read the file's blocks, not floats.
+            kept.add(type_name)
+            yield "lm_head.weight", from_gguf_blocks(type_name, t.data, shape)
     if bar is not None:
         bar.close()
     if quantized:
         logger.info("GGUF: dequantized %s tensors to float on load", ", ".join(sorted(quantized)))
     if kept:
-        logger.info("GGUF: %s linear weights keep their 4-bit codes (int4 kernel where it runs)", *kept)
-
-
-def q4_0_codes(data: np.ndarray, shape: tuple[int, ...]) -> Int4Codes:
-    """A Q4_0 tensor's codes: 18-byte blocks of an fp16 scale d and 16 bytes holding weight j
-    in the low nibble of byte j and weight j + 16 in the high one; w = d * (q - 8)."""
-    rows, cols = shape
-    blocks = data.reshape(-1, 18)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
-    qs = blocks[:, 2:]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=1).reshape(rows, cols)
-    scale = torch.from_numpy(d)
-    return Int4Codes(torch.from_numpy(codes.copy()), torch.full_like(scale, 8.0), scale, 32)
+        logger.info(
+            "GGUF: %s linear weights keep their blocks (our kernels where they run)", ", ".join(sorted(kept))
+        )
 
 
 def hf_to_gguf_name(name: str) -> str:

@@ -61,18 +61,19 @@ def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[st
         bar.close()
 
 
-def _log_checkpoint_layers(method: str, model: nn.Module) -> None:
+def _log_checkpoint_layers(source: str, model: nn.Module) -> None:
+    """How many linear layers run their checkpoint codes as stored, and how many were dequantized."""
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, Linear) and m.checkpoint_layout:
             counts[m.checkpoint_layout] = counts.get(m.checkpoint_layout, 0) + 1
+    if not counts:
+        return
     logger.info(
-        "%s checkpoint: %d 4-bit layers run as stored on the int4 kernel, %d dequantized on load%s",
-        method.upper(),
-        counts.get("int4 kernel", 0),
-        counts.get("dequantized", 0),
-        " (no int4 kernel for them here: it needs contiguous groups, and bf16 on an AVX-512 BF16 CPU"
-        " or a GPU with Triton)"
+        "%s checkpoint: linear layers %s%s",
+        source,
+        ", ".join(f"{layout}: {count}" for layout, count in sorted(counts.items())),
+        " (no kernel takes their codes here: see dolmus/quant/prequantized.py)"
         if counts.get("dequantized")
         else "",
     )
@@ -106,8 +107,8 @@ def load_model(
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()
-    if fmt is not None:
-        _log_checkpoint_layers(fmt["method"], model)
+    if fmt is not None or gguf:
+        _log_checkpoint_layers("GGUF" if gguf else fmt["method"].upper(), model)
     size = module_bytes(model)
     logger.info("loaded %s from %s: %.1f MB of weights in %s", cfg.architecture, folder, size / 1e6, dtype)
     return model

@@ -65,8 +65,9 @@ class Linear(nn.Module):
         self.out_features = offset
         self.has_bias = bias
         self.weight_shared = False  # set when another module owns the same storage (tied head)
-        # Where a pre-quantized checkpoint's codes went: "int4 kernel" (run as stored) or
-        # "dequantized" (to a float weight on load); None for a float checkpoint's layer.
+        # Where a pre-quantized checkpoint's codes went: "int4 kernel" or "4-bit blocks" /
+        # "8-bit blocks" (run as stored, prequantized.py) or "dequantized" (to a float weight
+        # on load); None for a float checkpoint's layer.
         self.checkpoint_layout: str | None = None
         self.method = method
         self.method_state: LinearState | None = None  # the method's typed per-layer storage

@@ -27,8 +27,9 @@ class PrepackedWeight(LinearState):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    def __init__(self, prepack: bool = True) -> None:
+    def __init__(self, prepack: bool = True, native: bool = True) -> None:
         self.prepack = prepack
+        self.native = native  # checkpoint codes loaded under it may run on our kernels
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight

@@ -209,7 +209,11 @@ class LlamaForCausalLM(nn.Module):
             expected.discard(("lm_head.weight", None))
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if tied and name == "lm_head.weight":
+                if not isinstance(tensor, torch.Tensor):  # the embedding's codes (GGUF): the head's
+                    self.lm_head.weight_loader(self.lm_head.weight, tensor)
                 continue
             shard = None
             for ckpt_part, ours, shard_id in _STACKED:

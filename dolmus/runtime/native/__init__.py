@@ -1,16 +1,22 @@
-"""Our C kernels for x86 CPUs with AVX-512 (BF16): built on first use, called through ctypes.
+"""Our C kernels for x86 CPUs: built on first use, called through ctypes. Two libraries:
 
+`library()`, for CPUs with AVX-512 (BF16) and bf16 models:
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
 - layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
   the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py).
 
+`block_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
+- block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
+  with float32 activations (dolmus/quant/gguf_blocks.py wraps them).
+
 At batch 1 a decode step is a few hundred small PyTorch ops besides the weight reads, each
 costing microseconds of dispatch and a wake-up of the thread pool; one call here replaces
-several of them. The sources are compiled together, once per machine, with the system C
+several of them. Each library's sources are compiled together, once per machine, with the system C
 compiler (`$CC`, else `cc`) for the host CPU, and cached under
 `$XDG_CACHE_HOME/dolmus/kernels` (default ~/.cache) keyed by a hash of the sources, the
-flags and the CPU's feature flags. Where the CPU lacks AVX-512 BF16, no compiler is found or
-the build fails, `library()` is None (the reason logged once) and callers use PyTorch.
+flags and the CPU's feature flags. Where the CPU lacks the library's instructions, no compiler
+is found or the build fails, the library is None (the reason logged once) and callers use
+PyTorch.
 
 OpenMP resolves to the libgomp PyTorch has already loaded (same soname), so the kernels
 share PyTorch's thread pool and follow torch.set_num_threads. ctypes releases the GIL
@@ -28,27 +34,54 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  (loads PyTorch's libgomp before ours resolves against it)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant_kernels.c", "layer_kernels.c")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES = {
-    "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "dolmus_int4_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
-    "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
-    # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
-    "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
-    "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],
-    "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
-}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    sources: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # all of these in /proc/cpuinfo
+    signatures: dict[str, list[Any]]
+
+
+_AVX512 = _Spec(
+    "dolmus-kernels",
+    ("quant_kernels.c", "layer_kernels.c"),
+    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    {
+        "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_int4_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
+        # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
+        "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
+        "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],
+        "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
+    },
+)
+_AVX2 = _Spec(
+    "dolmus-block-kernels",
+    ("block_kernels.c",),
+    ("avx2", "fma", "f16c"),
+    {
+        "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_q8_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_q4_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
+        "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64],
+    },
+)
+SOURCES = [Path(__file__).with_name(name) for name in _AVX512.sources]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 
 
 def _cpu_flags() -> set[str]:
@@ -66,11 +99,16 @@ def has_int8_dot_products() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
 
 
-def cpu_supported() -> bool:
-    """x86-64 Linux with the AVX-512 (BF16) instructions the kernels use."""
+def cpu_supported(spec: _Spec = _AVX512) -> bool:
+    """x86-64 Linux with the instructions a library's kernels use (default: AVX-512 BF16)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    return set(REQUIRED_CPU_FLAGS) <= _cpu_flags()
+    return set(spec.cpu_flags) <= _cpu_flags()
+
+
+def block_cpu_supported() -> bool:
+    """x86-64 Linux with AVX2, FMA and F16C: block_kernels.c runs here."""
+    return cpu_supported(_AVX2)
 
 
 def find_compiler() -> str | None:
@@ -82,11 +120,11 @@ def _cache_dir() -> Path:
     return Path(root) / "dolmus" / "kernels"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"]
+        command = [compiler, *FLAGS, *map(str, sources), "-o", str(out), "-lm"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:])
@@ -95,26 +133,41 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (logged once) where they cannot run here."""
-    if not cpu_supported():
-        logger.info("native CPU kernels: need x86-64 Linux with AVX-512 BF16; using PyTorch's ops")
+    """The AVX-512 (BF16) kernels, or None (logged once) where they cannot run here."""
+    return _load(_AVX512)
+
+
+@functools.lru_cache(maxsize=1)
+def block_library() -> ctypes.CDLL | None:
+    """The AVX2 block-quantized kernels, or None (logged once) where they cannot run here."""
+    return _load(_AVX2)
+
+
+def _load(spec: _Spec) -> ctypes.CDLL | None:
+    if not cpu_supported(spec):
+        logger.info(
+            "native CPU kernels (%s): need x86-64 Linux with %s; using PyTorch's ops",
+            spec.name,
+            ", ".join(spec.cpu_flags),
+        )
         return None
     compiler = find_compiler()
     if compiler is None:
         logger.warning("native CPU kernels: no C compiler (set CC); using PyTorch's slower ops")
         return None
-    source = b"".join(p.read_bytes() for p in SOURCES)
+    sources = [Path(__file__).with_name(name) for name in spec.sources]
+    source = b"".join(p.read_bytes() for p in sources)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *sorted(_cpu_flags())]).encode())
-    target = _cache_dir() / f"dolmus-kernels-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"{spec.name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            logger.info("native CPU kernels: compiling %s", ", ".join(p.name for p in SOURCES))
-            _build(compiler, target)
+            logger.info("native CPU kernels: compiling %s", ", ".join(spec.sources))
+            _build(compiler, sources, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("native CPU kernels: build failed (%s); using PyTorch's ops", e)
         return None
-    for name, args in _SIGNATURES.items():
+    for name, args in spec.signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     return lib

@@ -1,0 +1,140 @@
+/* Matrix products on llama.cpp-style block-quantized weights (Q4_0, Q4_1, Q8_0) with float32
+ * activations, for x86 CPUs with AVX2, FMA and F16C (every x86 server CPU of the last decade).
+ *
+ * A weight row of K inputs is K / 32 blocks; block b of row n has a float32 scale
+ * s = scale[n][b] and, for 4 bits, a float32 minimum m = minimum[n][b]:
+ *   4 bits: 16 bytes per block, byte j holding weight j in its low nibble and weight j + 16
+ *           in its high one (GGUF's order, so a file's blocks are copied, never re-sorted);
+ *           w = q * s + m, q in 0..15 (Q4_0: m = -8 s; Q4_1: the file's minimum);
+ *   8 bits: 32 int8 codes per block; w = q * s.
+ * A file's scales and minima are fp16, so q * s is exact in float32 and the one rounding of
+ * the fused multiply-add below gives the bits the gguf package's dequantization gives.
+ *
+ * At a few rows (decode) the time is the weight reads: each block is decoded once into float
+ * registers and multiplied with up to MR rows of x. Many rows (prefill) go to PyTorch's GEMM
+ * on rows dequantized a chunk at a time (the *_dequant functions). Output rows are split over
+ * PyTorch's OpenMP threads (see __init__.py).
+ */
+#include <stdint.h>
+#include <immintrin.h>
+
+#define MR 4 /* activation rows sharing one decode of a block */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 weights of one 4-bit block as 4 vectors of 8 floats, in input order. */
+static inline void decode_q4(const uint8_t *q, float s, float m, __m256 w[4]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vm);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vs, vm);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vm);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vs, vm);
+}
+
+static inline void decode_q8(const int8_t *q, float s, __m256 w[4]) {
+    __m256 vs = _mm256_set1_ps(s);
+    for (int i = 0; i < 4; i++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs);
+    }
+}
+
+/* One output row n against rows [m0, m0 + R) of x, R a compile-time 1..MR once inlined.
+ * Each x row keeps two accumulators (even and odd 8-wide parts of a block): the chains of
+ * dependent multiply-adds stay short enough for the FMA units' latency. */
+#define ROW_TILE(NAME, CODE_T, DECODE, CODE_STEP)                                             \
+    static inline __attribute__((always_inline)) void NAME(                                     \
+        const float *x, const CODE_T *qn, const float *sn, const float *mn, float *y, int64_t m0, \
+        int R, int64_t N, int64_t K, int64_t n) {                                              \
+        int64_t nb = K / 32;                                                                    \
+        __m256 acc[MR][2];                                                                      \
+        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();               \
+        for (int64_t b = 0; b < nb; b++) {                                                      \
+            __m256 w[4];                                                                        \
+            DECODE;                                                                             \
+            for (int i = 0; i < R; i++) {                                                       \
+                const float *xb = x + (m0 + i) * K + b * 32;                                    \
+                acc[i][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[i][0]);              \
+                acc[i][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[i][1]);          \
+                acc[i][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[i][0]);         \
+                acc[i][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[i][1]);         \
+            }                                                                                   \
+        }                                                                                       \
+        for (int i = 0; i < R; i++) y[(m0 + i) * N + n] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])); \
+    }
+
+ROW_TILE(q4_tile, uint8_t, decode_q4(qn + b * 16, sn[b], mn[b], w), 16)
+ROW_TILE(q8_tile, int8_t, decode_q8(qn + b * 32, sn[b], w), 32)
+
+#define FOR_ROW_TILES(TILE)                                                         \
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {                                        \
+        switch (M - m0 < MR ? (int)(M - m0) : MR) {                                 \
+        case 1: TILE(x, qn, sn, mn, y, m0, 1, N, K, n); break;                      \
+        case 2: TILE(x, qn, sn, mn, y, m0, 2, N, K, n); break;                      \
+        case 3: TILE(x, qn, sn, mn, y, m0, 3, N, K, n); break;                      \
+        default: TILE(x, qn, sn, mn, y, m0, MR, N, K, n); break;                    \
+        }                                                                           \
+    }
+
+/* y[M][N] = x[M][K] times the 4-bit weight [N][K]; K % 32 == 0. */
+void dolmus_q4_gemm_f32(const float *x, const uint8_t *q, const float *scale, const float *minimum,
+                        float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = q + n * nb * 16;
+        const float *sn = scale + n * nb, *mn = minimum + n * nb;
+        FOR_ROW_TILES(q4_tile)
+    }
+}
+
+/* y[M][N] = x[M][K] times the 8-bit weight [N][K]; K % 32 == 0. */
+void dolmus_q8_gemm_f32(const float *x, const int8_t *q, const float *scale, float *y, int64_t M,
+                        int64_t N, int64_t K) {
+    int64_t nb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * K;
+        const float *sn = scale + n * nb, *mn = NULL;
+        FOR_ROW_TILES(q8_tile)
+    }
+}
+
+/* Rows[i] of the 4-bit weight as float32, for i in [0, count): out [count][K]. rows: int64
+ * row numbers (a chunk of the weight for prefill GEMMs, or token ids for an embedding). */
+void dolmus_q4_dequant_f32(const uint8_t *q, const float *scale, const float *minimum,
+                           const int64_t *rows, float *out, int64_t count, int64_t K) {
+    int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t n = rows[i];
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 w[4];
+            decode_q4(q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * K + b * 32 + 8 * j, w[j]);
+        }
+    }
+}
+
+void dolmus_q8_dequant_f32(const int8_t *q, const float *scale, const int64_t *rows, float *out,
+                           int64_t count, int64_t K) {
+    int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t n = rows[i];
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 w[4];
+            decode_q8(q + n * K + b * 32, scale[n * nb + b], w);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * K + b * 32 + 8 * j, w[j]);
+        }
+    }
+}

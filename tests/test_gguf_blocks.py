@@ -1,0 +1,179 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 weights run as stored (quant/gguf_blocks.py, block_kernels.c).
+
+The blocks must decode to exactly the gguf package's values, the kernels must multiply as
+the decoded float weight does, and a model run on them must give the greedy tokens of the
+same model loaded from a float folder holding those decoded weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import TOKENIZER_FILES, build_model_dir
+from safetensors.torch import save_file
+
+from dolmus import LLM
+from dolmus.cli import main
+from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
+from dolmus.quant import gguf_blocks
+from dolmus.quant.gguf_blocks import BlockCodes, from_gguf_blocks
+from dolmus.runtime import native
+from dolmus.runtime.gguf_loader import iter_gguf_weights
+from dolmus.runtime.layers.linear import Linear
+from helpers import random_prompts, run_tokens
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+needs_kernels = pytest.mark.skipif(
+    native.block_library() is None, reason="block kernels need x86-64 with AVX2, FMA, F16C and a C compiler"
+)
+
+
+def _quantized(type_name: str, n: int, k: int, seed: int = 0) -> tuple[BlockCodes, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(weights, qtype)
+    decoded = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
+    return from_gguf_blocks(type_name, raw, (n, k)), decoded
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_decode_to_what_the_gguf_package_decodes(type_name) -> None:
+    w, decoded = _quantized(type_name, 48, 160)
+    assert tuple(w.shape) == (48, 160)
+    assert torch.equal(w.dequantize(), decoded)
+    # tensor-parallel slices: rows, and whole blocks of inputs
+    assert torch.equal(w.narrow(0, 16, 24).dequantize(), decoded[16:40])
+    assert torch.equal(w.narrow(1, 64, 96).dequantize(), decoded[:, 64:160])
+    with pytest.raises(ValueError, match="cut its blocks"):
+        w.narrow(1, 16, 32)
+    order = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(w.rows(order).dequantize(), decoded[order])
+    if w.bits == 4:  # the form our other int4 kernels take
+        assert torch.allclose(w.int4_codes().dequantize(), decoded, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
+    w, decoded = _quantized(type_name, 70, 320, seed=1)
+    order = torch.tensor([3, 69, 0, 3, 41])
+    assert torch.equal(gguf_blocks.dequantize_rows(w, order), decoded[order])
+    assert torch.equal(gguf_blocks.dequantize_rows(w, torch.arange(70)), decoded)
+    gen = torch.Generator().manual_seed(2)
+    # every row tile (1..4), several tiles, and the dequantize-and-GEMM path above 16 rows
+    for m in (1, 2, 3, 4, 5, 9, 16, 17, 40):
+        x = torch.randn(m, 320, generator=gen)
+        exact = (x.double() @ decoded.double().T).float()
+        y = gguf_blocks.matmul(w, x)
+        assert y.shape == (m, 70)
+        torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+
+
+def _plain_llama(root) -> object:
+    """A Llama of the fixtures' size with plain rotary (GGUF files here carry no rope scaling):
+    untied head, grouped-query attention, q/k rows interleaved in the file."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = root / "plain-llama"
+    if not folder.exists():
+        torch.manual_seed(5)
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            initializer_range=0.15,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for name in TOKENIZER_FILES:
+            shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return folder
+
+
+def _convert(src, out, kind: str) -> None:
+    assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", kind]) == 0
+
+
+def _decoded_folder(path, src, folder) -> None:
+    """A float Hugging Face folder holding exactly the weights the file's blocks decode to."""
+    cfg = ModelConfig.from_dir(src)
+    weights = dict(iter_gguf_weights(path, cfg.architecture, cfg.num_heads, cfg.num_kv_heads))
+    floats = {
+        k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()
+    }
+    folder.mkdir()
+    save_file(floats, folder / "model.safetensors")
+    for name in ("config.json", *TOKENIZER_FILES):
+        shutil.copy(src / name, folder / name)
+
+
+def _linear_bytes(llm: LLM) -> int:
+    total = 0
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, Linear):
+            state = m.method_state
+            total += state.nbytes() if state is not None else m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def _layouts(llm: LLM) -> set[str | None]:
+    return {m.checkpoint_layout for m in llm.engine.runner.model.modules() if isinstance(m, Linear)}
+
+
+@needs_kernels
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "q4_1"), ("qwen2", "q8_0"), ("qwen3", "q4_0")])
+def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> None:
+    """Every linear layer, the tied LM head of qwen2/qwen3 included (its embedding's blocks),
+    runs on the block kernels, with the greedy tokens of the decoded float weights; with
+    native kernels off the same file is dequantized on load and agrees too."""
+    src = _plain_llama(model_root) if arch == "llama" else build_model_dir(arch, model_root)
+    path = tmp_path / f"{arch}-{kind}.gguf"
+    _convert(src, path, kind)
+    folder = tmp_path / "decoded"
+    _decoded_folder(path, src, folder)
+    # long prompts: prefill chunks above 16 rows take the dequantize-and-GEMM path
+    prompts = random_prompts(lengths=(1, 3, 9, 40, 130), seed=11)
+    reference = LLM(model=str(folder), dtype="float32")
+    ours = LLM(model=str(path), dtype="float32")
+    bits = "8-bit" if kind == "q8_0" else "4-bit"
+    assert _layouts(ours) == {f"{bits} blocks"}
+    # the linear layers hold their codes and float32 scales (and minima) only
+    ratio = _linear_bytes(ours) / _linear_bytes(reference)
+    assert ratio < ((8 if kind == "q8_0" else 4) + 2.5) / 32
+    expected = run_tokens(reference, prompts)
+    assert run_tokens(ours, prompts) == expected
+    plain = LLM(model=str(path), dtype="float32", native_kernels=False)
+    assert _layouts(plain) == {"dequantized"}
+    assert run_tokens(plain, prompts) == expected
+    ids = prompts[3]
+    a = ours.engine.prompt_logprobs(ids, chunk_size=7).float()
+    b = reference.engine.prompt_logprobs(ids, chunk_size=7).float()
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@needs_kernels
+def test_blocks_in_a_bf16_run(tmp_path, model_root) -> None:
+    """bf16 layers hand the kernels float32 and get bf16 back: close to the decoded weights
+    in bf16 (on an AVX-512 BF16 CPU the 4-bit blocks take our int4 kernel instead)."""
+    src = build_model_dir("qwen2", model_root)
+    path = tmp_path / "qwen2-q4_1.gguf"
+    _convert(src, path, "q4_1")
+    folder = tmp_path / "decoded"
+    _decoded_folder(path, src, folder)
+    ours = LLM(model=str(path), dtype="bfloat16")
+    assert _layouts(ours) <= {"4-bit blocks", "int4 kernel"}
+    ids = random_prompts(lengths=(40,), seed=12)[0]
+    a = ours.engine.prompt_logprobs(ids, chunk_size=7).float()
+    b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=7).float()
+    assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3
