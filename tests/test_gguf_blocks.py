@@ -61,6 +61,7 @@ def test_blocks_decode_to_what_the_gguf_package_decodes(type_name) -> None:
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
     w, decoded = _quantized(type_name, 70, 320, seed=1)
+    w = gguf_blocks.pack_lanes(w)
     order = torch.tensor([3, 69, 0, 3, 41])
     assert torch.equal(gguf_blocks.dequantize_rows(w, order), decoded[order])
     assert torch.equal(gguf_blocks.dequantize_rows(w, torch.arange(70)), decoded)

@@ -2,9 +2,10 @@
 
 A GGUF file keeps each weight row as blocks of 32 inputs with an fp16 scale (and, for Q4_1,
 an fp16 minimum). `BlockCodes` holds one tensor's blocks split into codes, scales and minima,
-copied out of the memory-mapped file in its byte order (nothing is unpacked or re-sorted),
-and `BlockQuantMethod` multiplies with them through runtime/native/block_kernels.c: float32
-activations, the weight decoded block by block in registers. At batch 1 a step reads 4.5-8.5
+copied out of the memory-mapped file in its byte order, and `BlockQuantMethod` multiplies
+with them through runtime/native/block_kernels.c: float32 activations, the weight decoded
+block by block in registers (codes re-ordered within each block once at load, so decoding
+needs no byte shuffles). At batch 1 a step reads 4.5-8.5
 bits per weight instead of float32's 32, which is where the time goes.
 
 Where the kernels cannot run (no AVX2/FMA/F16C, no compiler, a GPU, `native_kernels=False`)
@@ -116,9 +117,23 @@ def kernels_available(layer: Linear, native_wanted: bool) -> bool:
     )
 
 
+def pack_lanes(w: BlockCodes) -> BlockCodes:
+    """The codes in block_kernels.c's lane-major order: 32-bit lane i (i < 8) of each block
+    holds the codes of its weights i, 8 + i, 16 + i and 24 + i, lowest bits first."""
+    n, k = w.shape
+    if w.bits == 8:
+        lanes = w.codes.reshape(n, -1, 4, 8).transpose(-1, -2)  # byte 4i + a: weight 8a + i
+        return BlockCodes(8, lanes.contiguous().reshape(n, k), w.scale, w.minimum)
+    pairs = w.codes.reshape(n, -1, BLOCK // 2)
+    q = torch.cat([pairs & 15, pairs >> 4], dim=-1).reshape(n, -1, 4, 8)  # [.., a, i]: weight 8a + i
+    low, high = q[:, :, 0] | q[:, :, 1] << 4, q[:, :, 2] | q[:, :, 3] << 4  # bytes 2i, 2i + 1
+    return BlockCodes(4, torch.stack([low, high], dim=-1).reshape(n, k // 2), w.scale, w.minimum)
+
+
 @dataclass
 class BlockState(LinearState):
-    """A layer's blocks (its checkpoint parts stacked along the output rows)."""
+    """A layer's blocks (its checkpoint parts stacked along the output rows), codes packed
+    for the kernels (`pack_lanes`)."""
 
     weight: BlockCodes
 
@@ -149,7 +164,7 @@ def place_blocks(layer: Linear, parts: dict[str | None, BlockCodes]) -> None:
         torch.cat(minima).contiguous() if minima[0] is not None else None,  # type: ignore[arg-type]
     )
     layer.method = BlockQuantMethod()
-    layer.method_state = BlockState(weight)
+    layer.method_state = BlockState(pack_lanes(weight))
     if layer.bias is not None:
         layer.bias.data = layer.bias.data.float()
     if not layer.weight_shared:
@@ -162,7 +177,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def matmul(w: BlockCodes, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 contiguous times the weight -> [M, N] float32."""
+    """x [M, K] float32 contiguous times the weight (codes packed by `pack_lanes`) -> [M, N] float32."""
     m, k = x.shape
     n = w.codes.shape[0]
     if m > KERNEL_MAX_ROWS:
@@ -181,7 +196,7 @@ def matmul(w: BlockCodes, x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_rows(w: BlockCodes, rows: torch.Tensor) -> torch.Tensor:
-    """The float32 rows [len(rows), K] of the weight, decoded by the kernel."""
+    """The float32 rows [len(rows), K] of the weight (codes packed by `pack_lanes`), decoded by the kernel."""
     rows = rows.to(torch.int64).contiguous()
     k = w.shape[1]
     out = torch.empty(rows.numel(), k)

@@ -3,10 +3,9 @@
  *
  * A weight row of K inputs is K / 32 blocks; block b of row n has a float32 scale
  * s = scale[n][b] and, for 4 bits, a float32 minimum m = minimum[n][b]:
- *   4 bits: 16 bytes per block, byte j holding weight j in its low nibble and weight j + 16
- *           in its high one (GGUF's order, so a file's blocks are copied, never re-sorted);
- *           w = q * s + m, q in 0..15 (Q4_0: m = -8 s; Q4_1: the file's minimum);
- *   8 bits: 32 int8 codes per block; w = q * s.
+ *   4 bits: 16 bytes per block, w = q * s + m, q in 0..15 (Q4_0: m = -8 s; Q4_1: the file's);
+ *   8 bits: 32 int8 codes per block; w = q * s;
+ * the codes of a block in the lane-major order decode_q4/decode_q8 describe.
  * A file's scales and minima are fp16, so q * s is exact in float32 and the one rounding of
  * the fused multiply-add below gives the bits the gguf package's dequantization gives.
  *
@@ -27,25 +26,27 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The 32 weights of one 4-bit block as 4 vectors of 8 floats, in input order. */
+/* The 32 weights of one block as 4 vectors of 8 floats, in input order. The kernels' codes are
+ * lane-major (gguf_blocks.pack_lanes): 32-bit lane i of a block's 16 (4-bit) or 32 (8-bit)
+ * bytes holds weights i, 8 + i, 16 + i and 24 + i, so each vector of 8 comes out with shifts
+ * and masks alone, no byte shuffles (those limited the GGUF byte order to ~2 weights a cycle). */
 static inline void decode_q4(const uint8_t *q, float s, float m, __m256 w[4]) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(bytes, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    __m256i lanes = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
+    __m256i mask = _mm256_set1_epi32(0x0F);
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vm);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vs, vm);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vm);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vs, vm);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lanes, mask)), vs, vm);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 4), mask)), vs, vm);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 8), mask)), vs, vm);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 12)), vs, vm);
 }
 
 static inline void decode_q8(const int8_t *q, float s, __m256 w[4]) {
+    __m256i lanes = _mm256_loadu_si256((const __m256i *)q);
     __m256 vs = _mm256_set1_ps(s);
-    for (int i = 0; i < 4; i++) {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
-        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs);
-    }
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24), 24)), vs);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 16), 24)), vs);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 8), 24)), vs);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(lanes, 24)), vs);
 }
 
 /* One output row n against rows [m0, m0 + R) of x, R a compile-time 1..MR once inlined.
