@@ -28,7 +28,7 @@ from helpers import random_prompts, run_tokens
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 needs_kernels = pytest.mark.skipif(
-    native.block_library() is None, reason="block kernels need x86-64 with AVX2, FMA, F16C and a C compiler"
+    native.avx2_library() is None, reason="block kernels need x86-64 with AVX2, FMA, F16C and a C compiler"
 )
 
 

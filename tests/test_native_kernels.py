@@ -38,17 +38,6 @@ def test_kernels_build_here() -> None:
     assert native_build.library() is not None
 
 
-def test_every_kernel_has_its_ctypes_signature() -> None:
-    """A C function called without argtypes gets 32-bit ints: garbage, then a crash."""
-    import re
-
-    declared = {}
-    for source in native_build.SOURCES:
-        for name, params in re.findall(r"^void (dolmus_\w+)\(([^)]*)\)", source.read_text(), re.M):
-            declared[name] = len(params.split(","))
-    assert declared and declared == {name: len(args) for name, args in native_build._SIGNATURES.items()}
-
-
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", ROWS)
 def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
@@ -135,7 +124,10 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
     n, num_blocks = len(lengths), 5
     cache = PagedKV(64 * bs, kv_heads, head_dim, bs, torch.bfloat16, torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
-    block_ids = torch.randperm(64, generator=gen)[: n * num_blocks].view(n, num_blocks)
+    # a slice of a wider block table, strided as the runner's are
+    block_ids = torch.randperm(64, generator=gen)[: n * 2 * num_blocks].view(n, 2 * num_blocks)[
+        :, :num_blocks
+    ]
     # queries as a strided view, the way attention layers pass them (q beside k in one tensor)
     qk = torch.randn(n, heads + kv_heads, head_dim, generator=gen).bfloat16()
     q = qk[:, :heads]

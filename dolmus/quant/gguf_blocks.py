@@ -113,7 +113,7 @@ def kernels_available(layer: Linear, native_wanted: bool) -> bool:
         native_wanted
         and layer.weight.device.type == "cpu"
         and layer.in_features % BLOCK == 0
-        and native.block_library() is not None
+        and native.avx2_library() is not None
     )
 
 
@@ -186,7 +186,7 @@ def matmul(w: BlockCodes, x: torch.Tensor) -> torch.Tensor:
             n1 = min(n, n0 + DEQUANT_CHUNK_ROWS)
             y[:, n0:n1] = F.linear(x, dequantize_rows(w, torch.arange(n0, n1)))
         return y
-    lib = native.block_library()
+    lib = native.avx2_library()
     y = torch.empty(m, n)
     if w.bits == 4:
         lib.dolmus_q4_gemm_f32(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k)
@@ -200,7 +200,7 @@ def dequantize_rows(w: BlockCodes, rows: torch.Tensor) -> torch.Tensor:
     rows = rows.to(torch.int64).contiguous()
     k = w.shape[1]
     out = torch.empty(rows.numel(), k)
-    lib = native.block_library()
+    lib = native.avx2_library()
     if w.bits == 4:
         lib.dolmus_q4_dequant_f32(
             _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(rows), _ptr(out), rows.numel(), k

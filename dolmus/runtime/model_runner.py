@@ -105,12 +105,15 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        # Our C kernels for norms, rotary, SiLU and decode attention: bf16 on an AVX-512 BF16 CPU.
+        # Our C kernels for norms, rotary, SiLU and decode attention: bf16 on an AVX-512 BF16
+        # CPU, float32 on an AVX2 one.
         self.native_kernels = (
             config.native_kernels
             and device.type == "cpu"
-            and dtype == torch.bfloat16
-            and native.library() is not None
+            and (
+                (dtype == torch.bfloat16 and native.library() is not None)
+                or (dtype == torch.float32 and native.avx2_library() is not None)
+            )
         )
         self.attention: AttentionBackend = get_backend(self._attention_backend_name())
         self.model = load_model(
@@ -166,8 +169,8 @@ class ModelRunner:
             return "native" if self.native_kernels else "torch"
         if name == "native" and not self.native_kernels:
             raise ValueError(
-                "attention_backend native needs bf16 on an x86-64 CPU with AVX-512 BF16, a C compiler "
-                "and native_kernels on"
+                "attention_backend native needs bf16 on an x86-64 CPU with AVX-512 BF16 or float32 on "
+                "one with AVX2, a C compiler and native_kernels on"
             )
         return name
 

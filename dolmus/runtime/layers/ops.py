@@ -1,8 +1,8 @@
 """The small per-layer kernels (RMSNorm, rotary, SiLU-and-multiply) as one table, chosen at load.
 
 `TORCH_OPS` computes with PyTorch's ops in transformers' rounding order; `NATIVE_OPS` calls
-our C kernels (bf16 on an AVX-512 BF16 CPU: one call for three to five ops) where a tensor's
-shape and layout suit them, and PyTorch's ops otherwise. The runner picks one table for the
+our C kernels (one call for three to five ops: bf16 on an AVX-512 BF16 CPU, float32 on an
+AVX2 one) where a tensor's dtype, shape and layout suit them, and PyTorch's ops otherwise. The runner picks one table for the
 whole model; layers call through it and carry no switches of their own.
 """
 
@@ -38,23 +38,36 @@ def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.contiguous()) * up
 
 
+# The runner picks NATIVE_OPS only where the library for its dtype is built (model_runner.py).
+_F32, _BF16 = torch.float32, torch.bfloat16
+
+
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[-1] % 16 == 0:
+    size = x.shape[-1]
+    if x.dtype == _BF16 and x.is_contiguous() and size % 16 == 0:
         return native_ops.rms_norm(x, weight, eps)  # ~6x faster on a decode row
+    if x.dtype == _F32 == weight.dtype and x.is_contiguous() and size % 8 == 0:
+        return native_ops.rms_norm_f32(x, weight, eps)
     return torch_rms_norm(x, weight, eps)
 
 
 def native_rotary(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
     tokens, _, dim = x.shape
-    if x.dtype == torch.bfloat16 and dim % 32 == 0 and x.stride(2) == 1:
-        cos, sin = cos_sin
-        return native_ops.rotary_(x, cos.view(tokens, -1), sin.view(tokens, -1))
+    cos, sin = cos_sin
+    if x.stride(2) == 1 and x.stride(1) == dim:
+        if x.dtype == _BF16 and dim % 32 == 0:
+            return native_ops.rotary_(x, cos.view(tokens, -1), sin.view(tokens, -1))
+        if x.dtype == _F32 == cos.dtype and dim % 16 == 0:
+            return native_ops.rotary_f32_(x, cos.reshape(tokens, -1), sin.reshape(tokens, -1))
     return torch_rotary(x, cos_sin)
 
 
 def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0:
-        return native_ops.silu_and_mul(gate_up)
+    if gate_up.dim() == 2 and gate_up.is_contiguous():
+        if gate_up.dtype == _BF16 and (gate_up.shape[-1] // 2) % 16 == 0:
+            return native_ops.silu_and_mul(gate_up)
+        if gate_up.dtype == _F32:
+            return native_ops.silu_and_mul_f32(gate_up)
     return torch_silu_and_mul(gate_up)
 
 

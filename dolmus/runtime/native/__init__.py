@@ -5,7 +5,7 @@
 - layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
   the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py).
 
-`block_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
+`avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
   with float32 activations (dolmus/quant/gguf_blocks.py wraps them).
 
@@ -69,19 +69,22 @@ _AVX512 = _Spec(
     },
 )
 _AVX2 = _Spec(
-    "dolmus-block-kernels",
-    ("block_kernels.c",),
+    "dolmus-avx2-kernels",
+    ("block_kernels.c", "layer_kernels_f32.c"),
     ("avx2", "fma", "f16c"),
     {
         "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_q8_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_q4_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
         "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64],
+        "dolmus_rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
+        "dolmus_decode_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
+        "dolmus_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
+        "dolmus_rotary_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
     },
 )
-SOURCES = [Path(__file__).with_name(name) for name in _AVX512.sources]
+LIBRARIES = (_AVX512, _AVX2)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 
 
 def _cpu_flags() -> set[str]:
@@ -106,8 +109,8 @@ def cpu_supported(spec: _Spec = _AVX512) -> bool:
     return set(spec.cpu_flags) <= _cpu_flags()
 
 
-def block_cpu_supported() -> bool:
-    """x86-64 Linux with AVX2, FMA and F16C: block_kernels.c runs here."""
+def avx2_cpu_supported() -> bool:
+    """x86-64 Linux with AVX2, FMA and F16C: avx2_library()'s kernels run here."""
     return cpu_supported(_AVX2)
 
 
@@ -138,8 +141,8 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=1)
-def block_library() -> ctypes.CDLL | None:
-    """The AVX2 block-quantized kernels, or None (logged once) where they cannot run here."""
+def avx2_library() -> ctypes.CDLL | None:
+    """The AVX2 float32 kernels, or None (logged once) where they cannot run here."""
     return _load(_AVX2)
 
 

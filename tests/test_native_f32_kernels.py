@@ -1,0 +1,121 @@
+"""Our AVX2 float32 layer kernels (runtime/native/layer_kernels_f32.c) against PyTorch, and
+the ctypes signatures of every native library (these read the C sources: no CPU needed)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dolmus import LLM
+from dolmus.runtime import native as native_build
+from dolmus.runtime.attention.kv_store import PagedKV
+from dolmus.runtime.layers.norm import RMSNorm
+from dolmus.runtime.layers.rotary import RotaryEmbedding
+from dolmus.runtime.native import ops as native_ops
+from helpers import greedy, random_prompts, run_tokens
+
+needs_avx2 = pytest.mark.skipif(
+    native_build.avx2_library() is None, reason="needs x86-64 with AVX2, FMA, F16C and a C compiler"
+)
+
+
+@pytest.mark.parametrize("spec", native_build.LIBRARIES, ids=lambda s: s.name)
+def test_every_kernel_has_its_ctypes_signature(spec) -> None:
+    """A C function called without argtypes gets 32-bit ints: garbage, then a crash."""
+    declared = {}
+    for name in spec.sources:
+        source = (Path(native_build.__file__).parent / name).read_text()
+        for fn, params in re.findall(r"^void (dolmus_\w+)\(([^)]*)\)", source, re.M):
+            declared[fn] = len(params.split(","))
+    assert declared and declared == {fn: len(args) for fn, args in spec.signatures.items()}
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", (1, 7, 40))
+@pytest.mark.parametrize("size", (64, 72, 896))
+def test_rms_norm_f32_equals_pytorch(rows: int, size: int) -> None:
+    gen = torch.Generator().manual_seed(rows + size)
+    norm = RMSNorm(size, 1e-6, torch.float32)
+    norm.weight.data = torch.randn(size, generator=gen)
+    x = torch.randn(rows, size, generator=gen) * 3
+    torch.testing.assert_close(
+        native_ops.rms_norm_f32(x, norm.weight, norm.eps), norm(x), rtol=1e-6, atol=1e-6
+    )
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (4, 1, 128), (4, 2, 32), (4, 2, 16)]
+)
+def test_decode_attention_f32_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim) -> None:
+    """Sequences of different lengths (1 to several blocks) over scattered blocks."""
+    gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
+    bs, lengths = 16, torch.tensor([1, 16, 17, 70])
+    n, num_blocks = len(lengths), 5
+    cache = PagedKV(64 * bs, kv_heads, head_dim, bs, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    # a slice of a wider block table, strided as the runner's are
+    block_ids = torch.randperm(64, generator=gen)[: n * 2 * num_blocks].view(n, 2 * num_blocks)[
+        :, :num_blocks
+    ]
+    qk = torch.randn(n, heads + kv_heads, head_dim, generator=gen)
+    q = qk[:, :heads]  # a strided view, as attention layers pass it
+    out = torch.full((n, heads, head_dim), float("nan"))
+    native_ops.decode_attention_f32(
+        q, cache.data[0], cache.data[1], block_ids, lengths, out, bs, head_dim**-0.5
+    )
+    for i in range(n):
+        keys = cache.blocks(0, block_ids[i])[: lengths[i]]
+        values = cache.blocks(1, block_ids[i])[: lengths[i]]
+        expected = F.scaled_dot_product_attention(
+            q[i].unsqueeze(1),
+            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        ).squeeze(1)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", (1, 40))
+def test_silu_and_mul_f32_equals_pytorch(rows: int) -> None:
+    x = torch.randn(rows, 2 * 100, generator=torch.Generator().manual_seed(rows)) * 4
+    gate, up = x.split(100, dim=-1)
+    torch.testing.assert_close(native_ops.silu_and_mul_f32(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@needs_avx2
+@pytest.mark.parametrize("head_dim", (32, 64, 128))
+def test_rotary_f32_equals_pytorch(head_dim: int) -> None:
+    """In place on a strided view (q and k inside the fused qkv output), bit for bit."""
+    gen = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, None, torch.float32)
+    tokens, heads = 5, 6
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen)
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 7, 100, 255]))
+    expected = RotaryEmbedding.apply(qk, (cos, sin))
+    untouched = qkv[:, heads * head_dim :].clone()
+    native_ops.rotary_f32_(qk, cos.reshape(tokens, -1), sin.reshape(tokens, -1))
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+@needs_avx2
+def test_engine_with_and_without_f32_kernels_gives_the_same_greedy_tokens(model_dir) -> None:
+    """float32: the kernels change only the order of float sums, so greedy decoding (several
+    sequences at once, prefix chunks of 7) gives PyTorch's tokens, and the logprobs agree."""
+    ours = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=7)
+    theirs = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=7, native_kernels=False)
+    assert ours.engine.runner.native_kernels and not theirs.engine.runner.native_kernels
+    prompts = random_prompts(seed=3)
+    assert run_tokens(ours, prompts, greedy(max_tokens=24)) == run_tokens(
+        theirs, prompts, greedy(max_tokens=24)
+    )
+    ids = prompts[-1]
+    a = ours.engine.prompt_logprobs(ids, chunk_size=1)
+    b = theirs.engine.prompt_logprobs(ids, chunk_size=1)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
