@@ -95,7 +95,9 @@ def test_quantized_gguf_equals_its_dequantized_weights(tmp_path, model_root, arc
             else:  # the embedding: a float table
                 assert torch.equal(weights[name], expected.reshape(weights[name].shape))
     assert kept >= 7 * 2  # every linear layer
-    floats = {k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()}
+    floats = {
+        k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()
+    }
     save_file(floats, folder / "model.safetensors")
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(src / name, folder / name)
@@ -228,7 +230,9 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
         torch.testing.assert_close(weights[by_gguf_name[gguf_name]], expected, rtol=0, atol=1e-6)
     folder = tmp_path / "decoded"
     folder.mkdir()
-    floats = {k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()}
+    floats = {
+        k: (v.dequantize() if isinstance(v, BlockCodes) else v).contiguous() for k, v in weights.items()
+    }
     save_file(floats, folder / "model.safetensors")
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(src / name, folder / name)
@@ -236,3 +240,24 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
     assert run_tokens(LLM(model=str(out), dtype="float32"), prompts) == run_tokens(
         LLM(model=str(folder), dtype="float32"), prompts
     )
+
+
+def test_a_gguf_tokenizer_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
+    """The second load reads the saved tokenizer (same tokens, same specials); a damaged
+    cache entry is rebuilt, not fatal."""
+    from dolmus.runtime.gguf_loader import _tokenizer_cache_dir, gguf_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "stories.gguf"
+    _convert(DEFAULT_MODEL_DIR, out, "q8_0")
+    entry = _tokenizer_cache_dir(out)
+    assert entry is not None and not entry.exists()
+    built = gguf_tokenizer(out)
+    assert (entry / "tokenizer.json").is_file()
+    cached = gguf_tokenizer(out)
+    text = "Once upon a time, Lily's dog ran."
+    assert cached.encode(text) == built.encode(text)
+    assert (cached.bos_token, cached.eos_token, len(cached)) == (built.bos_token, built.eos_token, len(built))
+    (entry / "tokenizer.json").write_text("{broken")
+    assert gguf_tokenizer(out).encode(text) == built.encode(text)
+    assert LLM(model=str(out), dtype="float32").tokenizer.encode(text) == built.encode(text)

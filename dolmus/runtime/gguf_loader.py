@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,7 @@ def gguf_config(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
-        with _shared_reader(path):
+        with _shared_reader(path, config_only=True):
             raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except Exception as exc:  # transformers raises several kinds for unknown or broken files
         raise ValueError(f"model: cannot read GGUF metadata from {str(path)!r} ({exc})") from exc
@@ -106,11 +110,35 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     return PlainViewReader(path)
 
 
+class _ConfigFields:
+    """Our reader as transformers' config parsing sees it: without the tokenizer's arrays.
+
+    transformers converts every metadata value to Python while it reads a config, the
+    ~150k strings and ids of a chat model's vocabulary and merges included (seconds), only
+    to take a handful of numbers. It counts the vocabulary only when the file gives no
+    `{arch}.vocab_size`; then the arrays stay."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        arch_field = reader.get_field("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
+        keep_all = f"{arch}.vocab_size" not in reader.fields
+        self.fields = {
+            k: f
+            for k, f in reader.fields.items()
+            if keep_all or not (k.startswith("tokenizer.") and len(f.data) > 1)
+        }
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
 @contextlib.contextmanager
-def _shared_reader(path: Path) -> Iterator[None]:
+def _shared_reader(path: Path, config_only: bool = False) -> Iterator[None]:
     """transformers opens the file with its own GGUFReader for the config and again for the
     tokenizer (`from gguf import GGUFReader` at call time); for the duration, hand it ours
-    for this file, so the metadata is parsed once in all. Other files get a fresh reader."""
+    for this file, so the metadata is parsed once in all (`config_only`: as `_ConfigFields`).
+    Other files get a fresh reader."""
     import gguf
 
     original = gguf.GGUFReader
@@ -118,7 +146,7 @@ def _shared_reader(path: Path) -> Iterator[None]:
 
     def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs and str(Path(p).resolve()) == ours:
-            return _reader(path)
+            return _ConfigFields(_reader(path)) if config_only else _reader(path)
         return original(p, *args, **kwargs)
 
     gguf.GGUFReader = reader
@@ -139,10 +167,42 @@ def _metadata_int(path: Path, key: str) -> int | None:
 
 
 def gguf_tokenizer(path: Path) -> Any:
+    """The file's tokenizer, as transformers builds it from the metadata.
+
+    Building it converts the vocabulary and merges in Python (~2 s for a 49k-token chat
+    model), so the result is saved once per file (keyed by path, size and modification time)
+    under `$XDG_CACHE_HOME/dolmus/gguf-tokenizers` and loaded from there next time (~0.2 s).
+    """
     from transformers import AutoTokenizer
 
+    cached = _tokenizer_cache_dir(path)
+    if cached is not None and cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except Exception as exc:  # a damaged entry: build afresh
+            logger.warning("GGUF tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
     with _shared_reader(path):
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cached.parent)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(cached, ignore_errors=True)
+            os.replace(tmp, cached)  # whole or absent, for concurrent loaders
+        except OSError as exc:
+            logger.info("GGUF tokenizer not cached (%s)", exc)
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: Path) -> Path | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    return Path(root) / "dolmus" / "gguf-tokenizers" / key
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
