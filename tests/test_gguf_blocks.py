@@ -66,8 +66,10 @@ def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
     assert torch.equal(gguf_blocks.dequantize_rows(w, order), decoded[order])
     assert torch.equal(gguf_blocks.dequantize_rows(w, torch.arange(70)), decoded)
     gen = torch.Generator().manual_seed(2)
-    # every row tile (1..4), several tiles, and the dequantize-and-GEMM path above 16 rows
-    for m in (1, 2, 3, 4, 5, 9, 16, 17, 40):
+    # every row tile (1..4), the strips (a short last strip of 70 % 4 rows), and the
+    # dequantize-and-GEMM path
+    tile, strips = gguf_blocks.TILE_MAX_ROWS, gguf_blocks.STRIP_MAX_ROWS
+    for m in (1, 2, 3, tile, tile + 1, 9, 17, strips, strips + 1, 100):
         x = torch.randn(m, 320, generator=gen)
         exact = (x.double() @ decoded.double().T).float()
         y = gguf_blocks.matmul(w, x)
@@ -143,7 +145,7 @@ def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> N
     _convert(src, path, kind)
     folder = tmp_path / "decoded"
     _decoded_folder(path, src, folder)
-    # long prompts: prefill chunks above 16 rows take the dequantize-and-GEMM path
+    # long prompts: prefill chunks above STRIP_MAX_ROWS take the dequantize-and-GEMM path
     prompts = random_prompts(lengths=(1, 3, 9, 40, 130), seed=11)
     reference = LLM(model=str(folder), dtype="float32")
     ours = LLM(model=str(path), dtype="float32")

@@ -29,9 +29,13 @@ from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, tenso
 BLOCK = 32
 # Block bytes and layout per GGUF type: (bytes per block, fp16 header fields, bits)
 GGUF_BLOCK_TYPES = {"Q4_0": (18, 1, 4), "Q4_1": (20, 2, 4), "Q8_0": (34, 1, 8)}
-# Above this many rows, dequantize a chunk of the weight at a time for PyTorch's float GEMM:
-# the kernel decodes each block once per MR (4) rows, the GEMM is blocked for cache and wins.
-KERNEL_MAX_ROWS = 16
+# Which product runs, by rows of x (measured on SmolLM2's and Qwen2.5-0.5B's shapes): up to
+# TILE_MAX_ROWS each block is decoded in registers for every row tile (decode-bound, the least
+# work for a few rows); up to STRIP_MAX_ROWS rows of weights are decoded once into a cached
+# buffer and multiplied with every row; above, chunks of the weight are dequantized for
+# PyTorch's float GEMM (prefill), whose cache blocking wins once the decoding is amortized.
+TILE_MAX_ROWS = 4
+STRIP_MAX_ROWS = 64
 DEQUANT_CHUNK_ROWS = 4096  # weight rows dequantized at a time on that path (bounded scratch)
 
 
@@ -180,7 +184,7 @@ def matmul(w: BlockCodes, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous times the weight (codes packed by `pack_lanes`) -> [M, N] float32."""
     m, k = x.shape
     n = w.codes.shape[0]
-    if m > KERNEL_MAX_ROWS:
+    if m > STRIP_MAX_ROWS:
         y = torch.empty(m, n)
         for n0 in range(0, n, DEQUANT_CHUNK_ROWS):
             n1 = min(n, n0 + DEQUANT_CHUNK_ROWS)
@@ -188,10 +192,15 @@ def matmul(w: BlockCodes, x: torch.Tensor) -> torch.Tensor:
         return y
     lib = native.avx2_library()
     y = torch.empty(m, n)
-    if w.bits == 4:
-        lib.dolmus_q4_gemm_f32(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k)
+    four = w.bits == 4
+    if m <= TILE_MAX_ROWS:
+        fn = lib.dolmus_q4_gemm_f32 if four else lib.dolmus_q8_gemm_f32
     else:
-        lib.dolmus_q8_gemm_f32(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(y), m, n, k)
+        fn = lib.dolmus_q4_gemm_strips_f32 if four else lib.dolmus_q8_gemm_strips_f32
+    if four:
+        fn(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k)
+    else:
+        fn(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(y), m, n, k)
     return y
 
 

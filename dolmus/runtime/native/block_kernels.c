@@ -15,6 +15,7 @@
  * PyTorch's OpenMP threads (see __init__.py).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <immintrin.h>
 
 #define MR 4 /* activation rows sharing one decode of a block */
@@ -85,6 +86,62 @@ ROW_TILE(q8_tile, int8_t, decode_q8(qn + b * 32, sn[b], w), 32)
         default: TILE(x, qn, sn, mn, y, m0, MR, N, K, n); break;                    \
         }                                                                           \
     }
+
+/* Batches of more than MR rows: NS output rows are decoded once into a float buffer that
+ * stays in cache (NS * K floats), then every row of x is multiplied with it; each weight is
+ * decoded once per call instead of once per MR rows of x. Two accumulators per output row
+ * keep the FMA chains short. */
+#define NS 4
+static inline void strip_times_rows(const float *buf, const float *x, float *y, int64_t M, int64_t N,
+                                    int64_t K, int64_t n0, int ns) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        __m256 acc[NS][2];
+        for (int j = 0; j < NS; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m256 x0 = _mm256_loadu_ps(xm + k), x1 = _mm256_loadu_ps(xm + k + 8);
+            for (int j = 0; j < NS; j++) {
+                acc[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + j * K + k), x0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + j * K + k + 8), x1, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < ns; j++) y[m * N + n0 + j] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+    }
+}
+
+#define STRIP_GEMM(DECODE_ROW)                                                            \
+    int64_t nb = K / 32;                                                                  \
+    _Pragma("omp parallel")                                                               \
+    {                                                                                     \
+        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));                 \
+        if (buf) {                                                                        \
+            _Pragma("omp for schedule(static)")                                           \
+            for (int64_t n0 = 0; n0 < N; n0 += NS) {                                      \
+                int ns = N - n0 < NS ? (int)(N - n0) : NS;                                \
+                for (int j = 0; j < NS; j++) {                                            \
+                    int64_t n = n0 + (j < ns ? j : 0); /* a short last strip repeats row n0 */ \
+                    for (int64_t b = 0; b < nb; b++) {                                    \
+                        __m256 w[4];                                                      \
+                        DECODE_ROW;                                                       \
+                        for (int i = 0; i < 4; i++) _mm256_storeu_ps(buf + j * K + b * 32 + 8 * i, w[i]); \
+                    }                                                                     \
+                }                                                                         \
+                strip_times_rows(buf, x, y, M, N, K, n0, ns);                             \
+            }                                                                             \
+            free(buf);                                                                    \
+        }                                                                                 \
+    }
+
+/* y[M][N] = x[M][K] times the 4-bit weight, K % 32 == 0, for M > MR. */
+void dolmus_q4_gemm_strips_f32(const float *x, const uint8_t *q, const float *scale,
+                               const float *minimum, float *y, int64_t M, int64_t N, int64_t K) {
+    STRIP_GEMM(decode_q4(q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w))
+}
+
+void dolmus_q8_gemm_strips_f32(const float *x, const int8_t *q, const float *scale, float *y, int64_t M,
+                               int64_t N, int64_t K) {
+    STRIP_GEMM(decode_q8(q + n * K + b * 32, scale[n * nb + b], w))
+}
 
 /* y[M][N] = x[M][K] times the 4-bit weight [N][K]; K % 32 == 0. */
 void dolmus_q4_gemm_f32(const float *x, const uint8_t *q, const float *scale, const float *minimum,
