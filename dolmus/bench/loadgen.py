@@ -136,6 +136,15 @@ class CompletionsClient:
         if self._session is not None:
             await self._session.close()
 
+    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """POST, once more on a fresh connection if a pooled one turns out closed before the
+        request went out (some servers, llama-server among them, close idle keep-alive
+        connections; nothing reached the server, so the retry is safe)."""
+        try:
+            return await self.session.post(self.url, json=body, headers=headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            return await self.session.post(self.url, json=body, headers=headers)
+
     async def send(self, index: int, req: BenchRequest, t0: float) -> RequestResult:
         body: dict[str, Any] = {
             "model": self.model,
@@ -158,7 +167,7 @@ class CompletionsClient:
         chunk_times: list[float] = []
         usage: dict[str, Any] | None = None
         try:
-            async with self.session.post(self.url, json=body, headers=headers) as response:
+            async with await self._post(body, headers) as response:
                 if response.status != 200:
                     text = (await response.read()).decode(errors="replace")
                     result.error = f"HTTP {response.status}: {_error_message(text)}"
