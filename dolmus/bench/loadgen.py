@@ -20,6 +20,8 @@ import aiohttp
 
 from dolmus.bench.dataset import BenchRequest
 
+RECONNECT_TRIES = 8  # POSTs tried on closed keep-alive connections (`_post`)
+
 
 @dataclass
 class RequestResult:
@@ -137,13 +139,17 @@ class CompletionsClient:
             await self._session.close()
 
     async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST, once more on a fresh connection if a pooled one turns out closed before the
-        request went out (some servers, llama-server among them, close idle keep-alive
-        connections; nothing reached the server, so the retry is safe)."""
-        try:
-            return await self.session.post(self.url, json=body, headers=headers)
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-            return await self.session.post(self.url, json=body, headers=headers)
+        """POST, again if a pooled connection turns out closed before the request went out
+        (some servers, llama-server among them, close idle keep-alive connections; nothing
+        reached the server, so retrying is safe). Each failure drops one dead connection
+        from the pool, so a few tries reach a live or a fresh one."""
+        for _ in range(RECONNECT_TRIES - 1):
+            try:
+                return await self.session.post(self.url, json=body, headers=headers)
+            except aiohttp.ClientOSError as exc:
+                if "write request body" not in str(exc):
+                    raise
+        return await self.session.post(self.url, json=body, headers=headers)
 
     async def send(self, index: int, req: BenchRequest, t0: float) -> RequestResult:
         body: dict[str, Any] = {
