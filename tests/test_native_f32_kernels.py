@@ -65,9 +65,7 @@ def test_decode_attention_f32_equals_sdpa_over_gathered_blocks(heads, kv_heads, 
     qk = torch.randn(n, heads + kv_heads, head_dim, generator=gen)
     q = qk[:, :heads]  # a strided view, as attention layers pass it
     out = torch.full((n, heads, head_dim), float("nan"))
-    native_ops.decode_attention_f32(
-        q, cache.data[0], cache.data[1], block_ids, lengths, out, bs, head_dim**-0.5
-    )
+    native_ops.decode_attention(q, cache.data[0], cache.data[1], block_ids, lengths, out, bs, head_dim**-0.5)
     for i in range(n):
         keys = cache.blocks(0, block_ids[i])[: lengths[i]]
         values = cache.blocks(1, block_ids[i])[: lengths[i]]

@@ -31,9 +31,8 @@ class NativeCPUBackend(TorchSDPABackend):
         scale: float,
     ) -> None:
         head_dim = q.shape[2]
-        kernel = _KERNELS.get(q.dtype)
         if not (
-            kernel is not None
+            q.dtype in (torch.bfloat16, torch.float32)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype
             and head_dim % 16 == 0
@@ -43,7 +42,7 @@ class NativeCPUBackend(TorchSDPABackend):
             super()._decode(q, kv_cache, g, out, block_size, scale)
             return
         n = g.count
-        kernel(
+        native_ops.decode_attention(
             q[g.start : g.start + n],
             kv_cache.data[0],
             kv_cache.data[1],
@@ -53,6 +52,3 @@ class NativeCPUBackend(TorchSDPABackend):
             block_size,
             scale,
         )
-
-
-_KERNELS = {torch.bfloat16: native_ops.decode_attention, torch.float32: native_ops.decode_attention_f32}

@@ -2,8 +2,9 @@
 
 `TORCH_OPS` computes with PyTorch's ops in transformers' rounding order; `NATIVE_OPS` calls
 our C kernels (one call for three to five ops: bf16 on an AVX-512 BF16 CPU, float32 on an
-AVX2 one) where a tensor's dtype, shape and layout suit them, and PyTorch's ops otherwise. The runner picks one table for the
-whole model; layers call through it and carry no switches of their own.
+AVX2 one) where a tensor's dtype, shape and layout suit them, and PyTorch's ops otherwise.
+The runner picks one table for the whole model; layers call through it and carry no
+switches of their own.
 """
 
 from __future__ import annotations

@@ -28,12 +28,17 @@ def decode_attention(
 ) -> None:
     """One new token per sequence attends to its cache; writes out [n, Hq, D].
 
-    q [n, Hq, D] (rows may be strided, heads contiguous); caches [slots, Hkv, D] contiguous;
-    block_ids [n, num_blocks] and lengths [n] int64; D % 16 == 0."""
+    q [n, Hq, D] bf16 (layer_kernels.c) or float32 (layer_kernels_f32.c), rows may be
+    strided, heads contiguous; caches [slots, Hkv, D] contiguous, q's dtype; block_ids
+    [n, num_blocks] and lengths [n] int64; D % 16 == 0."""
     n, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    kernel = (
+        library().dolmus_decode_attention
+        if q.dtype == torch.bfloat16
+        else avx2_library().dolmus_decode_attention_f32
+    )
     block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
-    library().dolmus_decode_attention(
+    kernel(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -44,7 +49,7 @@ def decode_attention(
         out.data_ptr(),
         n,
         hq,
-        hkv,
+        k_cache.shape[1],
         d,
         block_size,
         scale,
@@ -78,37 +83,6 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps
     )
     return out
-
-
-def decode_attention_f32(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    out: torch.Tensor,
-    block_size: int,
-    scale: float,
-) -> None:
-    """`decode_attention` for float32 tensors; D % 8 == 0."""
-    n, hq, d = q.shape
-    block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
-    avx2_library().dolmus_decode_attention_f32(
-        q.data_ptr(),
-        q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_ids.data_ptr(),
-        block_ids.shape[1],
-        lengths.data_ptr(),
-        out.data_ptr(),
-        n,
-        hq,
-        k_cache.shape[1],
-        d,
-        block_size,
-        scale,
-    )
 
 
 def silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
