@@ -306,3 +306,70 @@ def test_bench_reads_speculative_acceptance_from_the_servers_metrics() -> None:
     assert server["spec_mean_acceptance_length"] == pytest.approx(1 + 60 / 20)
     assert "draft acceptance 75% (4.00 tokens per drafting step)" in _server_line(server)
     assert "spec_acceptance_rate" not in run_delta({"x": 1.0}, {"x": 2.0})  # a server without drafts
+
+
+def test_bench_gets_past_keep_alive_connections_the_server_closed(tmp_path, capsys) -> None:
+    """A server (as llama-server does) answers each request with a keep-alive response, then
+    closes the connection: the next request on the pooled connection cannot be written.
+    Every request must still be measured, none lost to the dead connections."""
+    import asyncio
+    import threading
+
+    chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 4}})
+    body = "".join(f"data: {chunk}\n\n" for _ in range(4)) + f"data: {usage}\n\ndata: [DONE]\n\n"
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        if not head.startswith(b"POST /v1/completions"):
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        else:
+            served.append(1)
+            data = body.encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: keep-alive\r\n"
+                + f"content-length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # without saying so: the client's pool still holds this connection
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "bench"
+        args = ["bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--no-progress"]
+        args += [
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--warmup",
+            "0",
+        ]
+        assert main([*args, "--out", str(out)]) == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert [r["error"] for r in run["requests"]] == [None] * 6
+    assert all(r["output_tokens"] == 4 for r in run["requests"])
+    assert len(served) == 6  # each request reached the server once

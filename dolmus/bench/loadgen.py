@@ -139,13 +139,16 @@ class CompletionsClient:
             await self._session.close()
 
     async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST, again if a pooled connection turns out closed before the request went out
-        (some servers, llama-server among them, close idle keep-alive connections; nothing
-        reached the server, so retrying is safe). Each failure drops one dead connection
-        from the pool, so a few tries reach a live or a fresh one."""
+        """POST, again if a pooled connection turns out closed (some servers, llama-server
+        among them, close keep-alive connections after a response without saying so): the
+        request could not be written, or the server hung up before answering a byte. As
+        browsers do for a reused connection, the request is sent again; each failure drops
+        one dead connection from the pool, so a few tries reach a live or a fresh one."""
         for _ in range(RECONNECT_TRIES - 1):
             try:
                 return await self.session.post(self.url, json=body, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                continue
             except aiohttp.ClientOSError as exc:
                 if "write request body" not in str(exc):
                     raise
