@@ -28,12 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).parent))
 from pressure import cpu_pressure_total as cpu_pressure  # noqa: E402
 
-from dolmus.bench.spawn import ServerProcess, free_port  # noqa: E402
+from dolmus.bench.spawn import ServerProcess, free_port, wait_healthy  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
 
 SMOLLM2 = (
@@ -61,13 +59,11 @@ def _llama_server(binary: Path, model: Path, slots: int) -> tuple[subprocess.Pop
     cmd = [str(binary), "-m", str(model), "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS)]
     cmd += ["-c", str(4096 * slots), "-np", str(slots), "-cb", "--no-webui"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, "llama-server")
+    except RuntimeError:
+        proc.kill()
+        raise
     return proc, f"http://127.0.0.1:{port}/v1"
 
 

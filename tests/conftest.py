@@ -52,6 +52,11 @@ def _configs() -> dict:
                 "original_max_position_embeddings": 128,
             },
         ),
+        # plain rotary (GGUF files here carry no rope scaling), untied head, grouped-query
+        # attention; not in ARCHS: only the GGUF tests take it
+        "llama-plain": LlamaConfig(
+            **common, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+        ),
         # multi-query attention, q/k/v bias, tied embeddings
         "qwen2": Qwen2Config(
             **common, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from dolmus import LLM
 from dolmus.cli import main
-from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
+from dolmus.config import ModelConfig
 from dolmus.quant import gguf_blocks
 from dolmus.quant.gguf_blocks import BlockCodes, from_gguf_blocks
 from dolmus.runtime import native
@@ -77,33 +77,6 @@ def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
         torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
 
 
-def _plain_llama(root) -> object:
-    """A Llama of the fixtures' size with plain rotary (GGUF files here carry no rope scaling):
-    untied head, grouped-query attention, q/k rows interleaved in the file."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    folder = root / "plain-llama"
-    if not folder.exists():
-        torch.manual_seed(5)
-        config = LlamaConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            initializer_range=0.15,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        for name in TOKENIZER_FILES:
-            shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
-    return folder
-
-
 def _convert(src, out, kind: str) -> None:
     assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", kind]) == 0
 
@@ -140,7 +113,7 @@ def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> N
     """Every linear layer, the tied LM head of qwen2/qwen3 included (its embedding's blocks),
     runs on the block kernels, with the greedy tokens of the decoded float weights; with
     native kernels off the same file is dequantized on load and agrees too."""
-    src = _plain_llama(model_root) if arch == "llama" else build_model_dir(arch, model_root)
+    src = build_model_dir("llama-plain" if arch == "llama" else arch, model_root)
     path = tmp_path / f"{arch}-{kind}.gguf"
     _convert(src, path, kind)
     folder = tmp_path / "decoded"

@@ -20,6 +20,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str) -> None:
+    """Return once `url`/health answers 200; raise if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode} while starting")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} did not become healthy within {timeout:.0f} s")
+
+
 class ServerProcess:
     """`dolmus serve ARGS` as a subprocess; returns once /health answers 200."""
 
@@ -53,19 +68,11 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._close_log()
-                raise RuntimeError(f"dolmus serve exited with status {self.proc.returncode} while starting")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"dolmus serve did not become healthy within {timeout:.0f} s")
+        try:
+            wait_healthy(self.proc, self.url, timeout, "dolmus serve")
+        except RuntimeError:
+            self.stop()  # kills a process still starting, closes the log either way
+            raise
 
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -109,38 +109,47 @@ static inline void strip_times_rows(const float *buf, const float *x, float *y, 
     }
 }
 
-#define STRIP_GEMM(DECODE_ROW)                                                            \
-    int64_t nb = K / 32;                                                                  \
-    _Pragma("omp parallel")                                                               \
-    {                                                                                     \
-        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));                 \
-        if (buf) {                                                                        \
-            _Pragma("omp for schedule(static)")                                           \
-            for (int64_t n0 = 0; n0 < N; n0 += NS) {                                      \
-                int ns = N - n0 < NS ? (int)(N - n0) : NS;                                \
-                for (int j = 0; j < NS; j++) {                                            \
-                    int64_t n = n0 + (j < ns ? j : 0); /* a short last strip repeats row n0 */ \
-                    for (int64_t b = 0; b < nb; b++) {                                    \
-                        __m256 w[4];                                                      \
-                        DECODE_ROW;                                                       \
-                        for (int i = 0; i < 4; i++) _mm256_storeu_ps(buf + j * K + b * 32 + 8 * i, w[i]); \
-                    }                                                                     \
-                }                                                                         \
-                strip_times_rows(buf, x, y, M, N, K, n0, ns);                             \
-            }                                                                             \
-            free(buf);                                                                    \
-        }                                                                                 \
+/* Row n of the weight decoded into out[K]: 4 bits where minimum is given, else 8 bits. */
+static inline void decode_row(const void *q, const float *scale, const float *minimum, int64_t n,
+                              int64_t K, float *out) {
+    int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        if (minimum)
+            decode_q4((const uint8_t *)q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w);
+        else
+            decode_q8((const int8_t *)q + n * K + b * 32, scale[n * nb + b], w);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
     }
+}
+
+static void strip_gemm(const float *x, const void *q, const float *scale, const float *minimum, float *y,
+                       int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));
+        if (buf) {
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += NS) {
+                int ns = N - n0 < NS ? (int)(N - n0) : NS;
+                for (int j = 0; j < NS; j++) /* a short last strip repeats row n0 */
+                    decode_row(q, scale, minimum, n0 + (j < ns ? j : 0), K, buf + j * K);
+                strip_times_rows(buf, x, y, M, N, K, n0, ns);
+            }
+            free(buf);
+        }
+    }
+}
 
 /* y[M][N] = x[M][K] times the 4-bit weight, K % 32 == 0, for M > MR. */
 void dolmus_q4_gemm_strips_f32(const float *x, const uint8_t *q, const float *scale,
                                const float *minimum, float *y, int64_t M, int64_t N, int64_t K) {
-    STRIP_GEMM(decode_q4(q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w))
+    strip_gemm(x, q, scale, minimum, y, M, N, K);
 }
 
 void dolmus_q8_gemm_strips_f32(const float *x, const int8_t *q, const float *scale, float *y, int64_t M,
                                int64_t N, int64_t K) {
-    STRIP_GEMM(decode_q8(q + n * K + b * 32, scale[n * nb + b], w))
+    strip_gemm(x, q, scale, NULL, y, M, N, K);
 }
 
 /* y[M][N] = x[M][K] times the 4-bit weight [N][K]; K % 32 == 0. */
@@ -167,32 +176,20 @@ void dolmus_q8_gemm_f32(const float *x, const int8_t *q, const float *scale, flo
     }
 }
 
-/* Rows[i] of the 4-bit weight as float32, for i in [0, count): out [count][K]. rows: int64
- * row numbers (a chunk of the weight for prefill GEMMs, or token ids for an embedding). */
+/* Rows[i] of the weight as float32, for i in [0, count): out [count][K]. rows: int64 row
+ * numbers (a chunk of the weight for prefill GEMMs, or token ids for an embedding). */
+static void dequant_rows(const void *q, const float *scale, const float *minimum, const int64_t *rows,
+                         float *out, int64_t count, int64_t K) {
+#pragma omp parallel for schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) decode_row(q, scale, minimum, rows[i], K, out + i * K);
+}
+
 void dolmus_q4_dequant_f32(const uint8_t *q, const float *scale, const float *minimum,
                            const int64_t *rows, float *out, int64_t count, int64_t K) {
-    int64_t nb = K / 32;
-#pragma omp parallel for schedule(static) if (count > 8)
-    for (int64_t i = 0; i < count; i++) {
-        int64_t n = rows[i];
-        for (int64_t b = 0; b < nb; b++) {
-            __m256 w[4];
-            decode_q4(q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * K + b * 32 + 8 * j, w[j]);
-        }
-    }
+    dequant_rows(q, scale, minimum, rows, out, count, K);
 }
 
 void dolmus_q8_dequant_f32(const int8_t *q, const float *scale, const int64_t *rows, float *out,
                            int64_t count, int64_t K) {
-    int64_t nb = K / 32;
-#pragma omp parallel for schedule(static) if (count > 8)
-    for (int64_t i = 0; i < count; i++) {
-        int64_t n = rows[i];
-        for (int64_t b = 0; b < nb; b++) {
-            __m256 w[4];
-            decode_q8(q + n * K + b * 32, scale[n * nb + b], w);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * K + b * 32 + 8 * j, w[j]);
-        }
-    }
+    dequant_rows(q, scale, NULL, rows, out, count, K);
 }

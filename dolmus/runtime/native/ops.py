@@ -1,18 +1,27 @@
-"""Python faces of layer_kernels.c (bf16 tensors) and layer_kernels_f32.c (float32 tensors, the
-`*_f32` functions). Callers check the library, dtype and layout first (layers/ops.py)."""
+"""Python faces of layer_kernels.c (bf16 tensors) and layer_kernels_f32.c (float32 tensors):
+each calls the kernel for its tensors' dtype. Callers check the library, dtype and layout
+first (layers/ops.py, attention/native_cpu.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from dolmus.runtime.native import avx2_library, library
 
 
+def _kernel(name: str, dtype: torch.dtype) -> Any:
+    """bf16: layer_kernels.c's `name`; float32: layer_kernels_f32.c's `name`_f32."""
+    return getattr(library(), name) if dtype == torch.bfloat16 else getattr(avx2_library(), f"{name}_f32")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] contiguous bf16, H % 16 == 0."""
+    """x [..., H] contiguous, weight of x's dtype; H % 16 == 0 (bf16) or % 8 (float32)."""
     out = torch.empty_like(x)
     cols = x.shape[-1]
-    library().dolmus_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps)
+    kernel = _kernel("dolmus_rms_norm", x.dtype)
+    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps)
     return out
 
 
@@ -32,11 +41,7 @@ def decode_attention(
     strided, heads contiguous; caches [slots, Hkv, D] contiguous, q's dtype; block_ids
     [n, num_blocks] and lengths [n] int64; D % 16 == 0."""
     n, hq, d = q.shape
-    kernel = (
-        library().dolmus_decode_attention
-        if q.dtype == torch.bfloat16
-        else avx2_library().dolmus_decode_attention_f32
-    )
+    kernel = _kernel("dolmus_decode_attention", q.dtype)
     block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
     kernel(
         q.data_ptr(),
@@ -57,47 +62,17 @@ def decode_attention(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2 * F] contiguous bf16 (gate, then up) -> silu(gate) * up [T, F]; F % 16 == 0."""
+    """x [T, 2 * F] contiguous (gate, then up) -> silu(gate) * up [T, F]; bf16: F % 16 == 0."""
     rows, cols = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, cols, dtype=x.dtype)
-    library().dolmus_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, cols)
+    _kernel("dolmus_silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, cols)
     return out
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous) by cos and
-    sin [T, D] contiguous bf16; D % 32 == 0."""
+    sin [T, D] contiguous, of x's dtype; D % 32 == 0 (bf16) or % 16 (float32)."""
     tokens, heads, d = x.shape
-    library().dolmus_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d)
-    return x
-
-
-# ---- float32 (layer_kernels_f32.c, AVX2): the same faces for float32 tensors ----
-
-
-def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] contiguous float32, H % 8 == 0."""
-    out = torch.empty_like(x)
-    cols = x.shape[-1]
-    avx2_library().dolmus_rms_norm_f32(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps
-    )
-    return out
-
-
-def silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2 * F] contiguous float32 (gate, then up) -> silu(gate) * up [T, F]."""
-    rows, cols = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, cols, dtype=x.dtype)
-    avx2_library().dolmus_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), rows, cols)
-    return out
-
-
-def rotary_f32_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] float32 in place (token rows may be strided, heads contiguous) by
-    cos and sin [T, D] contiguous; D % 16 == 0."""
-    tokens, heads, d = x.shape
-    avx2_library().dolmus_rotary_f32(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d
-    )
+    kernel = _kernel("dolmus_rotary", x.dtype)
+    kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, d)
     return x
