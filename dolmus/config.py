@@ -213,10 +213,14 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return DEFAULT_GPU_BATCHED_TOKENS if device.type == "cuda" else DEFAULT_CPU_BATCHED_TOKENS
 
-    def resolve_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    def resolve_dtype(
+        self, model_dtype: torch.dtype, device: torch.device, cpu_has_bf16: bool = True
+    ) -> torch.dtype:
         """`auto` keeps the checkpoint's dtype where the device runs it well.
 
-        CPUs here have bf16 (AMX) but no fast fp16, so fp16 checkpoints run as bf16 on CPU;
+        CPUs have no fast fp16, so fp16 checkpoints (and GGUF files of fp16 or quantized types)
+        run as bf16 on CPUs with bf16 instructions (AVX-512 BF16, AMX) and as float32 on the
+        others (`cpu_has_bf16` false), where bf16 is emulated and our kernels are float32 ones;
         fp32 on a GPU stays fp32 only when asked for.
         """
         if self.dtype != "auto":
@@ -225,7 +229,7 @@ class EngineConfig:
                 raise ValueError("dtype float16 is not supported on CPU: use bfloat16 or float32")
             return dtype
         if device.type == "cpu":
-            return torch.float32 if model_dtype == torch.float32 else torch.bfloat16
+            return torch.bfloat16 if model_dtype != torch.float32 and cpu_has_bf16 else torch.float32
         if model_dtype == torch.float32:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return model_dtype

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from dolmus import LLM, SamplingParams
 from dolmus.cli import main
-from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
+from dolmus.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
 from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.runtime import native as native_build
 from dolmus.runtime.gguf_loader import hf_to_gguf_name, iter_gguf_weights
@@ -62,6 +62,25 @@ def test_stories260k_round_trip(tmp_path) -> None:
         assert llm.engine.model_config.architecture == "LlamaForCausalLM"
         assert llm.tokenizer.encode("Once upon a time") == LLM().tokenizer.encode("Once upon a time")
         assert _texts(llm) == reference
+
+
+def test_a_quantized_gguf_runs_in_bf16_where_the_cpu_has_bf16(tmp_path) -> None:
+    """`dtype auto`: an F32 file stays float32; a quantized one runs bf16 on a CPU with bf16
+    instructions and float32 on one without (bf16 emulated there, our kernels float32)."""
+    cpu = torch.device("cpu")
+    for kind, file_dtype in (("f32", torch.float32), ("q8_0", torch.bfloat16)):
+        out = tmp_path / f"stories-{kind}.gguf"
+        _convert(DEFAULT_MODEL_DIR, out, kind)
+        config = ModelConfig.from_dir(out)
+        assert config.dtype == file_dtype
+        engine_config = EngineConfig(model=str(out))
+        assert engine_config.resolve_dtype(config.dtype, cpu, cpu_has_bf16=False) == torch.float32
+        expected = torch.bfloat16 if kind == "q8_0" else torch.float32
+        assert engine_config.resolve_dtype(config.dtype, cpu, cpu_has_bf16=True) == expected
+        assert EngineConfig(model=str(out), dtype="float32").resolve_dtype(config.dtype, cpu) == torch.float32
+    llm = LLM(model=str(out))  # the q8_0 file, on this machine's CPU
+    assert llm.engine.dtype == (torch.bfloat16 if native_build.cpu_has_bf16() else torch.float32)
+    assert all(o.outputs[0].text for o in llm.generate(STORY_PROMPTS, SamplingParams(max_tokens=8)))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

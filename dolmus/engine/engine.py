@@ -26,6 +26,7 @@ from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.executor import Executor, WorkerDiedError, make_executor
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
@@ -108,7 +109,7 @@ class Engine:
         path = config.model_path
         self.model_config = mc = ModelConfig.from_dir(path)
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(mc.dtype, self.device)
+        self.dtype = config.resolve_dtype(mc.dtype, self.device, native.cpu_has_bf16())
         self.max_model_len = self._resolve_max_model_len(mc)
         self.tokenizer = load_tokenizer(str(config.tokenizer or path))
         spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)

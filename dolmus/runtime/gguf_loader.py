@@ -75,7 +75,19 @@ def gguf_config(path: Path) -> dict[str, Any]:
     head_dim = _metadata_int(path, "attention.key_length")
     if head_dim:
         raw["head_dim"] = head_dim
+    raw["torch_dtype"] = _file_dtype(path)
     return raw
+
+
+def _file_dtype(path: Path) -> str:
+    """The dtype the file's weights call for, as config.json would name it: float32 for a file
+    of F32 tensors only; bfloat16 for F16, BF16 and the quantized types (their scales are fp16,
+    and our kernels for them take bf16 activations where the CPU has bf16: see
+    `EngineConfig.resolve_dtype`)."""
+    from gguf import GGMLQuantizationType
+
+    types = {t.tensor_type for t in _reader(path).tensors}
+    return "float32" if types <= {GGMLQuantizationType.F32} else "bfloat16"
 
 
 def _reader(path: Path) -> Any:

@@ -116,6 +116,14 @@ def avx2_cpu_supported() -> bool:
     return cpu_supported(_AVX2)
 
 
+def cpu_has_bf16() -> bool:
+    """Whether bf16 arithmetic is native here, not emulated: on x86-64 Linux, AVX-512 BF16 or
+    AMX; elsewhere assumed (PyTorch's bf16 paths there are not ours to judge)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
 def find_compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
