@@ -91,6 +91,7 @@ def test_gguf_types_map_through_the_registry(monkeypatch, tmp_path) -> None:
     fake = type("FakeConfig", (), {"to_dict": lambda self: dict(metadata)})
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: fake())
     monkeypatch.setattr("dolmus.runtime.gguf_loader._metadata_int", lambda *a: None)
+    monkeypatch.setattr("dolmus.runtime.gguf_loader._file_dtype", lambda *a: "bfloat16")
     path = tmp_path / "m.gguf"
     path.write_bytes(b"")
     raw = gguf_config(path)
