@@ -403,11 +403,13 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
     log_level: str = "info"
-    # thread: the step loop on a thread of the API server's process; process: in its own
-    # process (HTTP work never takes its interpreter). Thread is the default while the split
-    # does not serve faster here (benchmarks/serve_vs_offline.py on 2 cores: 0.65x vs 0.57x of
-    # offline with 2 torch threads, 0.54x vs 0.60x with 1).
-    engine_core: str = choice("thread", ("thread", "process"))
+    # process (the default): the step loop in its own process, so HTTP and SSE work never
+    # holds the GIL the step's op dispatch waits for; thread: on a thread of the API server's
+    # process (one process, less memory). On 2 cores serving SmolLM2 Q4_1 at one user the
+    # split made 77 tok/s against 45 on a thread (benchmarks/gguf_vs_llama_server.py, TPOT
+    # 12 vs 21 ms); stories260k: 0.65x vs 0.57x of offline with 2 torch threads
+    # (benchmarks/serve_vs_offline.py), 0.54x vs 0.60x with 1.
+    engine_core: str = choice("process", ("thread", "process"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
