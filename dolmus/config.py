@@ -407,8 +407,9 @@ class ServerConfig:
     # holds the GIL the step's op dispatch waits for; thread: on a thread of the API server's
     # process (one process, less memory). On 2 cores serving SmolLM2 Q4_1 at one user the
     # split made 77 tok/s against 45 on a thread (benchmarks/gguf_vs_llama_server.py, TPOT
-    # 12 vs 21 ms); stories260k: 0.65x vs 0.57x of offline with 2 torch threads
-    # (benchmarks/serve_vs_offline.py), 0.54x vs 0.60x with 1.
+    # 12 vs 21 ms). The thread still wins on the 260k-parameter toy at 128 streams, where
+    # three processes share two cores (benchmarks/serve_vs_offline.py: 0.65x of offline
+    # against the split's 0.57x with 2 torch threads; 0.54x against 0.60x with 1).
     engine_core: str = choice("process", ("thread", "process"))
 
     def __post_init__(self) -> None:
