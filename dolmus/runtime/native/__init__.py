@@ -104,11 +104,13 @@ def has_int8_dot_products() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
 
 
+def _x86_linux() -> bool:
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
 def cpu_supported(spec: _Spec = _AVX512) -> bool:
     """x86-64 Linux with the instructions a library's kernels use (default: AVX-512 BF16)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    return set(spec.cpu_flags) <= _cpu_flags()
+    return _x86_linux() and set(spec.cpu_flags) <= _cpu_flags()
 
 
 def avx2_cpu_supported() -> bool:
@@ -119,9 +121,7 @@ def avx2_cpu_supported() -> bool:
 def cpu_has_bf16() -> bool:
     """Whether bf16 arithmetic is native here, not emulated: on x86-64 Linux, AVX-512 BF16 or
     AMX; elsewhere assumed (PyTorch's bf16 paths there are not ours to judge)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return True
-    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    return not _x86_linux() or bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def find_compiler() -> str | None:
