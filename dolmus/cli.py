@@ -107,6 +107,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="int4: head format",
     )
     g.add_argument(
+        "--gguf-activations",
+        choices=_choices(EngineConfig, "gguf_activations"),
+        default=d.gguf_activations,
+        help="bf16 runs of GGUF files: int8 rounds x to int8 per block of 32 for the 8-bit blocks "
+        "(Q8_0, Q5_*, Q6_K...) at decode, as llama.cpp does: faster, a little less accurate",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=_choices(EngineConfig, "attention_backend"),
         default=d.attention_backend,
@@ -123,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,
         help="our C kernels on CPU (else PyTorch's): AVX-512 ones for bf16 (int8/int4, RMSNorm, decode "
-        "attention), AVX2 ones for GGUF Q4_0/Q4_1/Q8_0 weights as stored",
+        "attention), AVX2 ones for GGUF's block types as stored",
     )
     g.add_argument(
         "--tier-specs",

@@ -84,7 +84,9 @@ class TierSpec:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive seconds, got {value}")
         if self.admission not in ADMISSION_POLICIES:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
+            raise ValueError(
+                f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
         if self.admission != "serve" and self.ttft_target is None:
             raise ValueError(f"admission {self.admission!r} needs a ttft_target")
 
@@ -121,7 +123,9 @@ class SpeculativeConfig:
         if self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_cached_requests must be >= 0")
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -164,8 +168,12 @@ class EngineConfig:
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = choice("int8", ("int8", "w8a8", "int4"))  # int4: the LM head's format
     # our C kernels: AVX-512 ones (int8/int4, norm, decode attention) for bf16 CPU runs, AVX2
-    # ones for GGUF's Q4_0/Q4_1/Q8_0 blocks as stored
+    # ones for GGUF's block types as stored
     native_kernels: bool = True
+    # GGUF blocks in bf16 runs: float (x as the layer has it) | int8 (x rounded to int8 per block
+    # of 32 for the 8-bit blocks at up to 8 rows, as llama.cpp does: faster decode, a little
+    # less accurate)
+    gguf_activations: str = choice("float", ("float", "int8"))
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
     # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)

@@ -56,3 +56,43 @@ def greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
 
 def run_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params or greedy())]
+
+
+# Byte offsets of each GGUF block type's fp16 scale fields, and (bytes, inputs) per block.
+GGUF_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+GGUF_K_BLOCKS = {
+    "Q2_K": (84, 256),
+    "Q3_K": (110, 256),
+    "Q4_K": (144, 256),
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),
+}
+
+
+def gguf_raw_blocks(type_name: str, weights, seed: int = 0):
+    """`weights` [N, K] (float32 numpy) as the raw blocks of a GGUF type, and the float32
+    values those blocks decode to. The gguf package quantizes the types it can; for the
+    K-quants (it only decodes those) the blocks are random bytes with scales of the weights'
+    size: a random weight of the same shape, laid out exactly as llama.cpp writes them."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    n, k = weights.shape
+    if type_name not in GGUF_K_BLOCKS:
+        raw = gguf.quants.quantize(weights, qtype)
+    else:
+        size, inputs = GGUF_K_BLOCKS[type_name]
+        rng = np.random.default_rng(seed)
+        raw = rng.integers(0, 256, (n * k // inputs, size), dtype=np.uint8)
+        for offset in GGUF_SCALE_FIELDS[type_name]:
+            raw[:, offset : offset + 2] = np.ones((len(raw), 1), np.float16).view(np.uint8)
+        unit = gguf.quants.dequantize(raw, qtype).reshape(n, k)  # every super-scale 1
+        # rescale every super-block's scales to the weights' size, per row
+        d = np.abs(weights).mean(axis=1, keepdims=True) / np.abs(unit).mean(axis=1, keepdims=True) + 1e-4
+        d = np.repeat(d.astype(np.float16), k // inputs, axis=1).reshape(-1, 1)
+        for offset in GGUF_SCALE_FIELDS[type_name]:
+            raw[:, offset : offset + 2] = d.view(np.uint8)
+        raw = raw.reshape(n, -1)
+    decoded = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+    return raw, decoded

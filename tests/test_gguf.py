@@ -18,7 +18,7 @@ from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.runtime import native as native_build
 from dolmus.runtime.gguf_loader import hf_to_gguf_name, iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear
-from helpers import random_prompts, run_tokens
+from helpers import gguf_raw_blocks, random_prompts, run_tokens
 
 STORY_PROMPTS = ["Once upon a time", "The little dog ran", "Lily and Tom went to the"]
 
@@ -176,8 +176,11 @@ def _q4_k_blocks(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return blocks.reshape(n, -1).numpy(), decoded
 
 
-def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> None:
-    """A mixed file as llama.cpp's K-quant presets make them: rows of 256 for Q4_K."""
+def test_a_k_quant_mix_runs_as_stored(tmp_path) -> None:
+    """A mixed file as llama.cpp's K-quant presets make them (rows of 256): Q4_K, Q5_K and Q6_K
+    linears, q/k/v of different types fused into one layer, a Q6_K tied embedding.
+    Every linear layer, the head included, keeps its blocks where the kernels run, and the
+    greedy tokens are those of the weights the gguf package decodes."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     src = tmp_path / "qwen2-256"
@@ -213,18 +216,20 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
     types = {
         "attn_q": "Q4_K",
         "attn_k": "Q4_K",
-        "attn_v": "Q8_0",
-        "attn_output": "Q4_0",
+        "attn_v": "Q6_K",
+        "attn_output": "Q5_K",
         "ffn_gate": "Q4_K",
-        "ffn_up": "Q4_0",
-        "ffn_down": "Q4_K",
+        "ffn_up": "Q4_K",
+        "ffn_down": "Q6_K",
     }
     decoded = {}
-    for t in reader.tensors:
+    for i, t in enumerate(reader.tensors):
         array = np.array(t.data).reshape([int(x) for x in reversed(t.shape)])
         kind = (
             types.get(t.name.split(".")[2])
             if t.name.startswith("blk.") and t.name.endswith(".weight")
+            else "Q6_K"
+            if t.name == "token_embd.weight"
             else None
         )
         if kind is None:
@@ -234,7 +239,8 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
             writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(t.name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            blocks, _ = gguf_raw_blocks(kind, array, seed=i)
+            writer.add_tensor(t.name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -243,10 +249,11 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
     cfg = ModelConfig.from_dir(src)
     weights = dict(iter_gguf_weights(out, cfg.architecture, cfg.num_heads, cfg.num_kv_heads))
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
-    assert {"Q4_K", "Q8_0", "Q4_0"} <= set(written.values())
+    assert {"Q4_K", "Q5_K", "Q6_K"} <= set(written.values())
     by_gguf_name = {hf_to_gguf_name(name): name for name in weights}
     for gguf_name, expected in decoded.items():  # Q4_K decodes to what our packing means
-        torch.testing.assert_close(weights[by_gguf_name[gguf_name]], expected, rtol=0, atol=1e-6)
+        got = weights[by_gguf_name[gguf_name]].dequantize()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     folder = tmp_path / "decoded"
     folder.mkdir()
     floats = {
@@ -256,9 +263,21 @@ def test_gguf_written_with_the_gguf_package_loads_q8_0_q4_0_q4_k(tmp_path) -> No
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(src / name, folder / name)
     prompts = random_prompts(lengths=(1, 9, 40, 130), seed=8)
-    assert run_tokens(LLM(model=str(out), dtype="float32"), prompts) == run_tokens(
-        LLM(model=str(folder), dtype="float32"), prompts
+    ours = LLM(model=str(out), dtype="float32")
+    if native_build.avx2_library() is not None:
+        layouts = {m.checkpoint_layout for m in ours.engine.runner.model.modules() if isinstance(m, Linear)}
+        assert layouts == {"4-bit blocks", "8-bit blocks"}  # Q4_K gate/up; the rest in bytes
+    reference = LLM(model=str(folder), dtype="float32")
+    assert run_tokens(ours, prompts) == run_tokens(reference, prompts)
+    ids = prompts[2]
+    a = ours.engine.prompt_logprobs(ids, chunk_size=7).float()
+    torch.testing.assert_close(
+        a, reference.engine.prompt_logprobs(ids, chunk_size=7).float(), rtol=0, atol=1e-4
     )
+    # bf16: Q4_K gate/up on our int4 kernel where the CPU has bf16, the rest on the block kernels
+    a = LLM(model=str(out), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=7).float()
+    b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=7).float()
+    assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3
 
 
 def test_a_gguf_tokenizer_is_built_once_and_cached(tmp_path, monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 weights run as stored (quant/gguf_blocks.py, block_kernels.c).
+"""GGUF's block-quantized weights run as stored (quant/gguf_unpack.py, gguf_blocks.py, block_kernels.c).
 
 The blocks must decode to exactly the gguf package's values, the kernels must multiply as
 the decoded float weight does, and a model run on them must give the greedy tokens of the
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -20,13 +19,14 @@ from dolmus import LLM
 from dolmus.cli import main
 from dolmus.config import ModelConfig
 from dolmus.quant import gguf_blocks
-from dolmus.quant.gguf_blocks import BlockCodes, from_gguf_blocks
+from dolmus.quant.gguf_blocks import BlockCodes
+from dolmus.quant.gguf_unpack import from_gguf_blocks
 from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear
-from helpers import random_prompts, run_tokens
+from helpers import gguf_raw_blocks, random_prompts, run_tokens
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 needs_kernels = pytest.mark.skipif(
     native.avx2_library() is None, reason="block kernels need x86-64 with AVX2, FMA, F16C and a C compiler"
 )
@@ -35,32 +35,33 @@ needs_kernels = pytest.mark.skipif(
 def _quantized(type_name: str, n: int, k: int, seed: int = 0) -> tuple[BlockCodes, torch.Tensor]:
     rng = np.random.default_rng(seed)
     weights = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
-    qtype = gguf.GGMLQuantizationType[type_name]
-    raw = gguf.quants.quantize(weights, qtype)
-    decoded = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
-    return from_gguf_blocks(type_name, raw, (n, k)), decoded
+    raw, decoded = gguf_raw_blocks(type_name, weights, seed)
+    return from_gguf_blocks(type_name, raw, (n, k)), torch.from_numpy(decoded)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_blocks_decode_to_what_the_gguf_package_decodes(type_name) -> None:
-    w, decoded = _quantized(type_name, 48, 160)
-    assert tuple(w.shape) == (48, 160)
+    k = 512 if type_name.endswith("_K") else 160  # super-blocks of 256
+    w, decoded = _quantized(type_name, 48, k)
+    assert tuple(w.shape) == (48, k)
+    assert w.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
     assert torch.equal(w.dequantize(), decoded)
     # tensor-parallel slices: rows, and whole blocks of inputs
     assert torch.equal(w.narrow(0, 16, 24).dequantize(), decoded[16:40])
     assert torch.equal(w.narrow(1, 64, 96).dequantize(), decoded[:, 64:160])
+    # the 8-bit form a fused layer's parts of mixed types share
+    assert torch.equal(w.widen(16, minima=True).dequantize(), decoded)
     with pytest.raises(ValueError, match="cut its blocks"):
         w.narrow(1, 16, 32)
     order = torch.tensor([5, 0, 47, 5])
     assert torch.equal(w.rows(order).dequantize(), decoded[order])
-    if w.bits == 4:  # the form our other int4 kernels take
-        assert torch.allclose(w.int4_codes().dequantize(), decoded, rtol=1e-6, atol=1e-6)
 
 
 @needs_kernels
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
-    w, decoded = _quantized(type_name, 70, 320, seed=1)
+    k = 512 if type_name.endswith("_K") else 320
+    w, decoded = _quantized(type_name, 70, k, seed=1)
     w = gguf_blocks.pack_lanes(w)
     order = torch.tensor([3, 69, 0, 3, 41])
     assert torch.equal(gguf_blocks.dequantize_rows(w, order), decoded[order])
@@ -70,11 +71,35 @@ def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
     # dequantize-and-GEMM path
     tile, strips = gguf_blocks.TILE_MAX_ROWS, gguf_blocks.STRIP_MAX_ROWS
     for m in (1, 2, 3, tile, tile + 1, 9, 17, strips, strips + 1, 100):
-        x = torch.randn(m, 320, generator=gen)
+        x = torch.randn(m, k, generator=gen)
         exact = (x.double() @ decoded.double().T).float()
         y = gguf_blocks.matmul(w, x)
         assert y.shape == (m, 70)
         torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in ("Q4_0", "Q4_1", "Q4_K")])
+def test_int8_x_products_are_within_rounding_of_x(type_name) -> None:
+    """bf16 runs give 8-bit blocks x rounded to int8 per block of 32: each product is q * s
+    times the rounded x, plus the minima times the sums of x itself, so it differs from the
+    exact one by no more than |q * s| times half a step of x."""
+    k = 512
+    codes, decoded = _quantized(type_name, 70, k, seed=3)
+    scaled = (codes.values().float().reshape(70, -1, codes.group) * codes.scale[..., None]).reshape(70, k)
+    w = gguf_blocks.pack_lanes(codes)
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 2, 3, 4, 5, 7, gguf_blocks.I8_MAX_ROWS):
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 3
+        x[0, 40:72] = 0  # an all-zero block
+        blocks = x.reshape(m, -1, 32)
+        step = blocks.abs().amax(-1, keepdim=True) / 127
+        rounded = (torch.round(blocks / step.clamp(min=1e-30)) * step).reshape(m, k)
+        exact = rounded.double() @ scaled.double().T + x.double() @ (decoded - scaled).double().T
+        y = gguf_blocks.matmul(w, x.contiguous(), int8_x=True)
+        torch.testing.assert_close(y, exact.float(), rtol=1e-4, atol=1e-3)
+        bound = (step.expand_as(blocks).reshape(m, k).double() / 2) @ scaled.double().abs().T
+        assert ((y.double() - x.double() @ decoded.double().T).abs() <= bound * 1.01 + 1e-3).all()
 
 
 def _convert(src, out, kind: str) -> None:
@@ -136,6 +161,31 @@ def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> N
     a = ours.engine.prompt_logprobs(ids, chunk_size=7).float()
     b = reference.engine.prompt_logprobs(ids, chunk_size=7).float()
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@needs_kernels
+def test_int8_activations_are_an_opt_in_for_bf16_runs(tmp_path, model_root) -> None:
+    """`gguf_activations="int8"` gives a bf16 run's 8-bit blocks int8 x (decode-sized steps),
+    close to the decoded weights; float32 runs and the default keep float x."""
+    src = build_model_dir("qwen2", model_root)
+    path = tmp_path / "qwen2-q8_0.gguf"
+    _convert(src, path, "q8_0")
+    folder = tmp_path / "decoded"
+    _decoded_folder(path, src, folder)
+
+    def int8_x(llm: LLM) -> set[bool]:
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+        return {m.method_state.int8_x for m in linears}
+
+    fast = LLM(model=str(path), dtype="bfloat16", gguf_activations="int8")
+    assert int8_x(fast) == {True}
+    assert int8_x(LLM(model=str(path), dtype="bfloat16")) == {False}
+    assert int8_x(LLM(model=str(path), dtype="float32", gguf_activations="int8")) == {False}
+    ids = random_prompts(lengths=(40,), seed=13)[0]
+    a = fast.engine.prompt_logprobs(ids, chunk_size=1).float()
+    b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=1).float()
+    kl = (b.exp() * (b - a)).sum(-1).mean()
+    assert kl < 5e-3
 
 
 @needs_kernels

@@ -1,13 +1,17 @@
-"""Resident memory stays flat over a long decode run (no per-step leaks)."""
+"""Resident memory stays flat over a long decode run (no per-step leaks); the KV pool fits."""
 
 from __future__ import annotations
 
 import gc
 import os
 
-from dolmus import SamplingParams
-from dolmus.config import EngineConfig
+import pytest
+import torch
+
+from dolmus import LLM, SamplingParams
+from dolmus.config import DEFAULT_MODEL_DIR, EngineConfig
 from dolmus.engine.engine import Engine
+from dolmus.runtime.model_runner import available_memory
 
 
 def rss_bytes() -> int:
@@ -39,3 +43,11 @@ def test_rss_flat_over_2000_decode_steps():
     after = rss_bytes()
     assert next_id > 50  # requests came and went throughout
     assert after <= before * 1.05, (before, after)
+
+
+def test_a_kv_pool_larger_than_free_memory_is_refused_at_start():
+    """The CPU pool's pages become resident as it fills: one that cannot fit must fail at
+    start, naming the setting, not later in the OOM killer."""
+    free = available_memory(torch.device("cpu"))
+    with pytest.raises(ValueError, match="kv_cache_memory: a pool of .* does not fit"):
+        LLM(model=str(DEFAULT_MODEL_DIR), kv_cache_memory=2 * free, max_num_seqs=1 << 20)

@@ -1,4 +1,4 @@
-"""A pre-quantized checkpoint's codes (GPTQ, AWQ, GGUF Q4_0/Q4_1/Q8_0), placed once a layer is loaded.
+"""A pre-quantized checkpoint's codes (GPTQ, AWQ, GGUF blocks), placed once a layer is loaded.
 
 The loader wraps the engine's linear method in `PrequantizedMethod` where the checkpoint can
 carry codes (checkpoint.py hands GPTQ/AWQ over as `Int4Codes`, gguf_loader.py GGUF blocks as
@@ -40,9 +40,10 @@ class PendingCodes(LinearState):
 
 
 class PrequantizedMethod(LinearMethod):
-    def __init__(self, inner: LinearMethod) -> None:
+    def __init__(self, inner: LinearMethod, int8_block_activations: bool = False) -> None:
         self.inner = inner  # the engine's method: float layers, and codes our kernel cannot take
         self.native = inner.native
+        self.int8_block_activations = int8_block_activations
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         self.inner.create_weights(layer, dtype)
@@ -65,7 +66,7 @@ class PrequantizedMethod(LinearMethod):
         if isinstance(pending, PendingCodes):
             if _run_as_stored(layer, pending.parts, self.native):
                 return
-            if _run_blocks(layer, pending.parts, self.native):
+            if _run_blocks(layer, pending.parts, self.native, self.int8_block_activations):
                 return
             # A tied head's codes are its embedding's, which loaded as the same floats.
             for shard, part in pending.parts.items() if not layer.weight_shared else ():
@@ -78,7 +79,7 @@ class PrequantizedMethod(LinearMethod):
         raise RuntimeError("a pre-quantized layer computes only once its weights are processed")
 
     def head_method(self) -> LinearMethod:
-        return PrequantizedMethod(self.inner.head_method())
+        return PrequantizedMethod(self.inner.head_method(), self.int8_block_activations)
 
 
 def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
@@ -89,39 +90,46 @@ def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCode
         return False
     if any(isinstance(p, BlockCodes) and p.bits != 4 for p in stored.values()):
         return False
-    parts = {s: p.int4_codes() if isinstance(p, BlockCodes) else p for s, p in stored.items()}
-    groups = {p.group for p in parts.values()}
+    groups = {p.group for p in stored.values()}
     group = min(groups)
     fits = (
-        parts.keys() == layer.shard_offsets.keys()
+        stored.keys() == layer.shard_offsets.keys()
         and len(groups) == 1
-        and all(p.g_idx is None for p in parts.values())  # act order scatters the groups
+        and all(isinstance(p, BlockCodes) or p.g_idx is None for p in stored.values())  # act order scatters
         and kernel.accepts(layer.out_features, layer.in_features, group)
     )
     if not fits:
         return False
-    ordered = [parts[shard] for shard in layer.shard_offsets]  # the stacking order
-    scale = torch.cat([p.scale for p in ordered]).to(weight.device)
-    zeros = torch.cat([p.zeros for p in ordered]).to(weight.device)
-    codes = torch.cat([p.codes for p in ordered]).to(weight.device)
+    ordered = [_int4_parts(stored[shard]) for shard in layer.shard_offsets]  # the stacking order
+    codes, scale, mid = (torch.cat([p[i] for p in ordered]).to(weight.device) for i in range(3))
     layer.method = Int4WeightOnlyMethod(group, native=True)
-    # (q - z) * s == (q - 8) * s + (8 - z) * s: our kernels' zero is the value of code 8
-    layer.method_state = kernel.pack(codes, scale, (8 - zeros) * scale, group, weight.dtype)
+    layer.method_state = kernel.pack(codes, scale, mid, group, weight.dtype)
     if not layer.weight_shared:
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     layer.checkpoint_layout = "int4 kernel"
     return True
 
 
-def _run_blocks(layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
+def _int4_parts(p: Int4Codes | BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] uint8, scales, and the value of code 8 per group: our int4 kernels' zero
+    point, as w = (q - 8) * s + mid. GPTQ/AWQ: (q - z) * s == (q - 8) * s + (8 - z) * s.
+    GGUF: q * s + m == (q - 8) * s + (8 s + m), exact for Q4_0 (m = -8 s), one rounding else."""
+    if isinstance(p, BlockCodes):
+        return p.values().to(torch.uint8), p.scale, 8 * p.scale + p.minimum  # type: ignore[operator]
+    return p.codes, p.scale, (8 - p.zeros) * p.scale
+
+
+def _run_blocks(
+    layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool, int8_x: bool
+) -> bool:
     """Give the layer its GGUF blocks on block_kernels.c, if they run here."""
     blocks = [p for p in parts.values() if isinstance(p, BlockCodes)]
     fits = (
         parts.keys() == layer.shard_offsets.keys()
         and len(blocks) == len(parts)
-        and len({p.bits for p in blocks}) == 1
         and gguf_blocks.kernels_available(layer, native)
     )
     if fits:
-        gguf_blocks.place_blocks(layer, parts)  # type: ignore[arg-type]
+        int8_x = int8_x and layer.weight.dtype != torch.float32  # float32 runs stay exact
+        gguf_blocks.place_blocks(layer, parts, int8_x)  # type: ignore[arg-type]
     return fits

@@ -1,11 +1,12 @@
 """llama.cpp GGUF files as a model source: config, tokenizer and weights.
 
 transformers reads the architecture and the tokenizer from the file's metadata; the gguf
-package reads the tensors. Q4_0, Q4_1 and Q8_0 linear weights keep their blocks
-(`BlockCodes`, quant/gguf_blocks.py) and run as stored where our kernels run (prequantized.py
-decides); where a tied embedding is in one of those types, the LM head gets its blocks too.
-Every other type the package knows (F32, F16, BF16, Q4_K, Q6_K, ...) is dequantized to float
-on load (add --quantization to requantize those for our kernels). The file's type maps to a
+package reads the tensors. Linear weights in the block types of quant/gguf_unpack.py (Q4_0,
+Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K) keep their blocks (`BlockCodes`) and run
+as stored where our kernels run (prequantized.py decides); where a tied embedding is in one
+of those types, the LM head gets its blocks too. Every other type the package knows (F16,
+BF16, the IQ types, ...) is dequantized to float on load (add --quantization to requantize
+those for our kernels). The file's type maps to a
 registered architecture (runtime/models/registry.py); names map back to Hugging Face's,
 and where the architecture says llama.cpp interleaves the q/k rotary halves (Llama,
 Mistral) those rows are permuted back to Hugging Face's halves.
@@ -27,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dolmus.quant.gguf_blocks import GGUF_BLOCK_TYPES, BlockCodes, from_gguf_blocks
+from dolmus.quant.gguf_blocks import BlockCodes
+from dolmus.quant.gguf_unpack import GGUF_BLOCK_TYPES, from_gguf_blocks
 from dolmus.runtime.models import registry
 
 logger = logging.getLogger(__name__)

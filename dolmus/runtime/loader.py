@@ -90,8 +90,10 @@ def load_model(
     progress: bool = False,
     parallel: ParallelConfig = SINGLE_RANK,
     ops: LayerOps = TORCH_OPS,
+    int8_block_activations: bool = False,
 ) -> nn.Module:
-    """Build the architecture's model for this tensor-parallel rank and fill it from `folder`."""
+    """Build the architecture's model for this tensor-parallel rank and fill it from `folder`.
+    `int8_block_activations`: bf16 layers on GGUF 8-bit blocks round x to int8 (gguf_blocks.matmul)."""
     gguf = is_gguf(folder)
     if gguf:
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
@@ -101,7 +103,7 @@ def load_model(
     if fmt is not None:
         weights = unpack_stream(fmt, weights)
     if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
-        method = PrequantizedMethod(method)
+        method = PrequantizedMethod(method, int8_block_activations)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel, ops)
     model.load_weights(weights)

@@ -133,6 +133,7 @@ class ModelRunner:
             max_model_len,
             progress=progress,
             ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
+            int8_block_activations=config.gguf_activations == "int8",
         )
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
@@ -195,6 +196,10 @@ class ModelRunner:
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes")
+        if self.device.type == "cpu":
+            num_blocks = self._fit_cpu_pool(
+                num_blocks, per_block, explicit=self.config.kv_cache_memory is not None
+            )
         self.kv_bytes_per_token = per_token
         logger.info(
             "KV cache (%s): %d blocks of %d tokens = %d tokens fit (%.1f MB, %d bytes per token)",
@@ -206,6 +211,28 @@ class ModelRunner:
             per_token,
         )
         return num_blocks
+
+    def _fit_cpu_pool(self, num_blocks: int, per_block: int, explicit: bool) -> int:
+        """The pool's pages become resident as blocks are first used (kv_store.zeros), so a pool
+        larger than the memory free now would end in the OOM killer mid-serving: refuse an
+        explicit one, and shrink the default to half of what is free."""
+        free = available_memory(self.device)
+        if num_blocks * per_block <= (free if explicit else free // 2):
+            return num_blocks
+        if explicit:
+            raise ValueError(
+                f"kv_cache_memory: a pool of {num_blocks * per_block / 2**30:.1f} GiB does not fit in the "
+                f"{free / 2**30:.1f} GiB of memory available; ask for less"
+            )
+        fitted = max(1, free // 2 // per_block)
+        logger.warning(
+            "KV cache: the default pool of %.1f GiB would not leave half of the %.1f GiB available; "
+            "using %.1f GiB (set kv_cache_memory to choose)",
+            num_blocks * per_block / 2**30,
+            free / 2**30,
+            fitted * per_block / 2**30,
+        )
+        return fitted
 
     # -- the persistent batch -----------------------------------------------------------
 

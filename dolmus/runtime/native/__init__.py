@@ -74,11 +74,13 @@ _AVX2 = _Spec(
     ("avx2", "fma", "f16c"),
     {
         "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-        "dolmus_q8_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        # (x, codes, scale, minimum or NULL, y, M, N, K, scales per block of 32)
+        "dolmus_q8_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_q4_gemm_strips_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-        "dolmus_q8_gemm_strips_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_q8_gemm_strips_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        "dolmus_q8_gemm_i8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_q4_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
-        "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64],
+        "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
         "dolmus_decode_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
         "dolmus_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],

@@ -1,16 +1,20 @@
-/* Matrix products on llama.cpp-style block-quantized weights (Q4_0, Q4_1, Q8_0) with float32
- * activations, for x86 CPUs with AVX2, FMA and F16C (every x86 server CPU of the last decade).
+/* Matrix products on llama.cpp-style block-quantized weights with float32 activations, for x86
+ * CPUs with AVX2, FMA and F16C (every x86 server CPU of the last decade).
  *
- * A weight row of K inputs is K / 32 blocks; block b of row n has a float32 scale
- * s = scale[n][b] and, for 4 bits, a float32 minimum m = minimum[n][b]:
- *   4 bits: 16 bytes per block, w = q * s + m, q in 0..15 (Q4_0: m = -8 s; Q4_1: the file's);
- *   8 bits: 32 int8 codes per block; w = q * s;
- * the codes of a block in the lane-major order decode_q4/decode_q8 describe.
- * A file's scales and minima are fp16, so q * s is exact in float32 and the one rounding of
- * the fused multiply-add below gives the bits the gguf package's dequantization gives.
+ * A weight row of K inputs is K / 32 blocks of 32 codes. 4 bits: 16 bytes per block, one float32
+ * scale s and minimum m per block, w = q * s + m, q in 0..15 (Q4_0: m = -8 s; Q4_1 and Q4_K: the
+ * file's). 8 bits: 32 int8 codes per block and a scale (and, where given, a minimum) per G = 32
+ * or 16 inputs (SPB = 32 / G of them per block), w = q * s (+ m): Q8_0 (G 32), and the other
+ * K-quants, widened to bytes on load (Q5_K with minima per 32; Q6_K, Q3_K per 16; Q2_K per 16
+ * with minima). The codes of a block are in the lane-major order decode_q4/decode_q8 describe.
+ * A file's scales are fp16 times small integers, so q * s is exact in float32 and the one
+ * rounding of the product or fused multiply-add below gives the bits the gguf package's
+ * dequantization gives.
  *
  * At a few rows (decode) the time is the weight reads: each block is decoded once into float
- * registers and multiplied with up to MR rows of x. Many rows (prefill) go to PyTorch's GEMM
+ * registers and multiplied with up to MR rows of x. Runs that already round (bf16) may take
+ * x as int8 per block of 32 instead, as llama.cpp does for every run (dolmus_q8_gemm_i8):
+ * integer dot products of 32 bytes in a few instructions, no float decode of the weight. Many rows (prefill) go to PyTorch's GEMM
  * on rows dequantized a chunk at a time (the *_dequant functions). Output rows are split over
  * PyTorch's OpenMP threads (see __init__.py).
  */
@@ -41,13 +45,29 @@ static inline void decode_q4(const uint8_t *q, float s, float m, __m256 w[4]) {
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 12)), vs, vm);
 }
 
-static inline void decode_q8(const int8_t *q, float s, __m256 w[4]) {
+/* 8 bits: weights 0..15 of the block take scale s0 (and minimum m0), 16..31 s1 (m1); m0 and
+ * m1 are read only where the weight has minima. */
+static inline void decode_q8(const int8_t *q, float s0, float s1, const float *m, int spb, __m256 w[4]) {
     __m256i lanes = _mm256_loadu_si256((const __m256i *)q);
-    __m256 vs = _mm256_set1_ps(s);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24), 24)), vs);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 16), 24)), vs);
-    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 8), 24)), vs);
-    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(lanes, 24)), vs);
+    __m256 lo = _mm256_set1_ps(s0), hi = _mm256_set1_ps(s1);
+    __m256 c[4] = {
+        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24), 24)),
+        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 16), 24)),
+        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 8), 24)),
+        _mm256_cvtepi32_ps(_mm256_srai_epi32(lanes, 24)),
+    };
+    if (m) {
+        __m256 mlo = _mm256_set1_ps(m[0]), mhi = _mm256_set1_ps(m[spb - 1]);
+        w[0] = _mm256_fmadd_ps(c[0], lo, mlo);
+        w[1] = _mm256_fmadd_ps(c[1], lo, mlo);
+        w[2] = _mm256_fmadd_ps(c[2], hi, mhi);
+        w[3] = _mm256_fmadd_ps(c[3], hi, mhi);
+    } else {
+        w[0] = _mm256_mul_ps(c[0], lo);
+        w[1] = _mm256_mul_ps(c[1], lo);
+        w[2] = _mm256_mul_ps(c[2], hi);
+        w[3] = _mm256_mul_ps(c[3], hi);
+    }
 }
 
 /* One output row n against rows [m0, m0 + R) of x, R a compile-time 1..MR once inlined.
@@ -55,8 +75,8 @@ static inline void decode_q8(const int8_t *q, float s, __m256 w[4]) {
  * dependent multiply-adds stay short enough for the FMA units' latency. */
 #define ROW_TILE(NAME, CODE_T, DECODE, CODE_STEP)                                             \
     static inline __attribute__((always_inline)) void NAME(                                     \
-        const float *x, const CODE_T *qn, const float *sn, const float *mn, float *y, int64_t m0, \
-        int R, int64_t N, int64_t K, int64_t n) {                                              \
+        const float *x, const CODE_T *qn, const float *sn, const float *mn, int spb, float *y,  \
+        int64_t m0, int R, int64_t N, int64_t K, int64_t n) {                                  \
         int64_t nb = K / 32;                                                                    \
         __m256 acc[MR][2];                                                                      \
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();               \
@@ -75,15 +95,18 @@ static inline void decode_q8(const int8_t *q, float s, __m256 w[4]) {
     }
 
 ROW_TILE(q4_tile, uint8_t, decode_q4(qn + b * 16, sn[b], mn[b], w), 16)
-ROW_TILE(q8_tile, int8_t, decode_q8(qn + b * 32, sn[b], w), 32)
+/* Q8_0 (one scale per block, no minima) gets its own tile, the general decode folded away. */
+ROW_TILE(q8_tile, int8_t, decode_q8(qn + b * 32, sn[b], sn[b], NULL, 1, w), 32)
+ROW_TILE(q8g_tile, int8_t,
+         decode_q8(qn + b * 32, sn[b * spb], sn[b * spb + spb - 1], mn ? mn + b * spb : NULL, spb, w), 32)
 
 #define FOR_ROW_TILES(TILE)                                                         \
     for (int64_t m0 = 0; m0 < M; m0 += MR) {                                        \
         switch (M - m0 < MR ? (int)(M - m0) : MR) {                                 \
-        case 1: TILE(x, qn, sn, mn, y, m0, 1, N, K, n); break;                      \
-        case 2: TILE(x, qn, sn, mn, y, m0, 2, N, K, n); break;                      \
-        case 3: TILE(x, qn, sn, mn, y, m0, 3, N, K, n); break;                      \
-        default: TILE(x, qn, sn, mn, y, m0, MR, N, K, n); break;                    \
+        case 1: TILE(x, qn, sn, mn, spb, y, m0, 1, N, K, n); break;                      \
+        case 2: TILE(x, qn, sn, mn, spb, y, m0, 2, N, K, n); break;                      \
+        case 3: TILE(x, qn, sn, mn, spb, y, m0, 3, N, K, n); break;                      \
+        default: TILE(x, qn, sn, mn, spb, y, m0, MR, N, K, n); break;                    \
         }                                                                           \
     }
 
@@ -109,22 +132,35 @@ static inline void strip_times_rows(const float *buf, const float *x, float *y, 
     }
 }
 
-/* Row n of the weight decoded into out[K]: 4 bits where minimum is given, else 8 bits. */
-static inline void decode_row(const void *q, const float *scale, const float *minimum, int64_t n,
+/* Row n of the weight decoded into out[K]; spb = 0 for 4 bits, else 8 bits with spb scales
+ * (and minima, where given) per block. */
+static inline void decode_row(const void *q, const float *scale, const float *minimum, int spb, int64_t n,
                               int64_t K, float *out) {
     int64_t nb = K / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 w[4];
-        if (minimum)
+    __m256 w[4];
+    if (!spb) {
+        for (int64_t b = 0; b < nb; b++) {
             decode_q4((const uint8_t *)q + (n * nb + b) * 16, scale[n * nb + b], minimum[n * nb + b], w);
-        else
-            decode_q8((const int8_t *)q + n * K + b * 32, scale[n * nb + b], w);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
+        }
+    } else if (spb == 1 && !minimum) {
+        for (int64_t b = 0; b < nb; b++) {
+            float s = scale[n * nb + b];
+            decode_q8((const int8_t *)q + n * K + b * 32, s, s, NULL, 1, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *s = scale + (n * nb + b) * spb;
+            decode_q8((const int8_t *)q + n * K + b * 32, s[0], s[spb - 1],
+                      minimum ? minimum + (n * nb + b) * spb : NULL, spb, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
+        }
     }
 }
 
-static void strip_gemm(const float *x, const void *q, const float *scale, const float *minimum, float *y,
-                       int64_t M, int64_t N, int64_t K) {
+static void strip_gemm(const float *x, const void *q, const float *scale, const float *minimum, int spb,
+                       float *y, int64_t M, int64_t N, int64_t K) {
 #pragma omp parallel
     {
         float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));
@@ -133,7 +169,7 @@ static void strip_gemm(const float *x, const void *q, const float *scale, const 
             for (int64_t n0 = 0; n0 < N; n0 += NS) {
                 int ns = N - n0 < NS ? (int)(N - n0) : NS;
                 for (int j = 0; j < NS; j++) /* a short last strip repeats row n0 */
-                    decode_row(q, scale, minimum, n0 + (j < ns ? j : 0), K, buf + j * K);
+                    decode_row(q, scale, minimum, spb, n0 + (j < ns ? j : 0), K, buf + j * K);
                 strip_times_rows(buf, x, y, M, N, K, n0, ns);
             }
             free(buf);
@@ -144,12 +180,13 @@ static void strip_gemm(const float *x, const void *q, const float *scale, const 
 /* y[M][N] = x[M][K] times the 4-bit weight, K % 32 == 0, for M > MR. */
 void dolmus_q4_gemm_strips_f32(const float *x, const uint8_t *q, const float *scale,
                                const float *minimum, float *y, int64_t M, int64_t N, int64_t K) {
-    strip_gemm(x, q, scale, minimum, y, M, N, K);
+    strip_gemm(x, q, scale, minimum, 0, y, M, N, K);
 }
 
-void dolmus_q8_gemm_strips_f32(const float *x, const int8_t *q, const float *scale, float *y, int64_t M,
-                               int64_t N, int64_t K) {
-    strip_gemm(x, q, scale, NULL, y, M, N, K);
+/* The same for 8 bits, spb (1 or 2) scales, and minima where minimum is not NULL, per block. */
+void dolmus_q8_gemm_strips_f32(const float *x, const int8_t *q, const float *scale, const float *minimum,
+                               float *y, int64_t M, int64_t N, int64_t K, int64_t spb) {
+    strip_gemm(x, q, scale, minimum, (int)spb, y, M, N, K);
 }
 
 /* y[M][N] = x[M][K] times the 4-bit weight [N][K]; K % 32 == 0. */
@@ -160,36 +197,151 @@ void dolmus_q4_gemm_f32(const float *x, const uint8_t *q, const float *scale, co
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qn = q + n * nb * 16;
         const float *sn = scale + n * nb, *mn = minimum + n * nb;
+        int spb = 1;
         FOR_ROW_TILES(q4_tile)
     }
 }
 
-/* y[M][N] = x[M][K] times the 8-bit weight [N][K]; K % 32 == 0. */
-void dolmus_q8_gemm_f32(const float *x, const int8_t *q, const float *scale, float *y, int64_t M,
-                        int64_t N, int64_t K) {
+/* y[M][N] = x[M][K] times the 8-bit weight [N][K] with spb scales (and minima, where minimum is
+ * not NULL) per block; K % 32 == 0. */
+void dolmus_q8_gemm_f32(const float *x, const int8_t *q, const float *scale, const float *minimum, float *y,
+                        int64_t M, int64_t N, int64_t K, int64_t spb_) {
     int64_t nb = K / 32;
+    int spb = (int)spb_;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qn = q + n * K;
-        const float *sn = scale + n * nb, *mn = NULL;
-        FOR_ROW_TILES(q8_tile)
+        const float *sn = scale + n * nb * spb, *mn = minimum ? minimum + n * nb * spb : NULL;
+        if (spb == 1 && !mn) {
+            FOR_ROW_TILES(q8_tile)
+        } else {
+            FOR_ROW_TILES(q8g_tile)
+        }
     }
+}
+
+/* x [M][K] as int8 per block of 32 (llama.cpp's Q8_0, for activations): xq in each block's
+ * lane-major order (that of the weight codes, so a byte-wise dot product pairs the right
+ * inputs), d[M][K/32] = max |x| / 127 per block, and, where sums is given, the sum of x (the
+ * float values) per group of g inputs: the minima's term is minimum * sum. */
+static void quantize_rows_i8(const float *x, int64_t M, int64_t K, int g, int8_t *xq, float *d, float *sums) {
+    int64_t nb = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * 32;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int a = 0; a < 4; a++) {
+                v[a] = _mm256_loadu_ps(xb + 8 * a);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[a]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float mx = _mm_cvtss_f32(h);
+            __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+            int32_t q[32];
+            for (int a = 0; a < 4; a++)
+                _mm256_storeu_si256((__m256i *)(q + 8 * a), _mm256_cvtps_epi32(_mm256_mul_ps(v[a], inv)));
+            int8_t *out = xq + m * K + b * 32;
+            for (int i = 0; i < 8; i++)
+                for (int a = 0; a < 4; a++) out[4 * i + a] = (int8_t)q[8 * a + i];
+            d[m * nb + b] = mx / 127.0f;
+            if (sums) {
+                for (int j = 0; j < 32 / g; j++) {
+                    float t = 0.0f;
+                    for (int i = 0; i < g; i++) t += xb[j * g + i];
+                    sums[m * (K / g) + b * (32 / g) + j] = t;
+                }
+            }
+        }
+    }
+}
+
+/* One output row n against rows [m0, m0 + R) of the int8 x. Per block: |w| times x with w's
+ * sign (maddubs: unsigned by signed bytes, pairs summed to int16; |w| <= 128 and |x| <= 127
+ * cannot saturate), pairs summed to 8 int32 lanes, scaled in float. With two scales per block
+ * (groups of 16) the int16 pairs of the first 16 weights (bytes 4i, 4i + 1: weights i, 8 + i)
+ * and of the last 16 (bytes 4i + 2, 4i + 3) are summed apart. */
+static inline __attribute__((always_inline)) void i8_tile(const int8_t *xq, const float *xd, const float *xs,
+                                                          const int8_t *qn, const float *sn, const float *mn,
+                                                          int spb, float *y, int64_t m0, int R, int64_t N,
+                                                          int64_t K, int64_t n) {
+    int64_t nb = K / 32, ng = nb * spb;
+    const __m256i ones = _mm256_set1_epi16(1), first = _mm256_set1_epi32(1), last = _mm256_set1_epi32(1 << 16);
+    __m256 acc[MR];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(qn + b * 32));
+        __m256i aw = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < R; i++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + b * 32));
+            __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+            float dx = xd[(m0 + i) * nb + b];
+            if (spb == 1) {
+                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(sn[b] * dx), acc[i]);
+            } else {
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, first));
+                __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, last));
+                acc[i] = _mm256_fmadd_ps(lo, _mm256_set1_ps(sn[2 * b] * dx), acc[i]);
+                acc[i] = _mm256_fmadd_ps(hi, _mm256_set1_ps(sn[2 * b + 1] * dx), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float r = hsum(acc[i]);
+        if (mn) {
+            const float *s = xs + (m0 + i) * ng;
+            for (int64_t j = 0; j < ng; j++) r += mn[j] * s[j];
+        }
+        y[(m0 + i) * N + n] = r;
+    }
+}
+
+/* y[M][N] = x[M][K] times the 8-bit weight, x rounded to int8 per block of 32 first. */
+void dolmus_q8_gemm_i8(const float *x, const int8_t *q, const float *scale, const float *minimum, float *y,
+                       int64_t M, int64_t N, int64_t K, int64_t spb_) {
+    int spb = (int)spb_;
+    int64_t nb = K / 32, ng = nb * spb;
+    int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nb));
+    float *xs = minimum ? malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
+    if (xq && xd && (xs || !minimum)) {
+        quantize_rows_i8(x, M, K, 32 / spb, xq, xd, xs);
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const int8_t *qn = q + n * K;
+            const float *sn = scale + n * ng, *mn = minimum ? minimum + n * ng : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                switch (M - m0 < MR ? (int)(M - m0) : MR) {
+                case 1: i8_tile(xq, xd, xs, qn, sn, mn, spb, y, m0, 1, N, K, n); break;
+                case 2: i8_tile(xq, xd, xs, qn, sn, mn, spb, y, m0, 2, N, K, n); break;
+                case 3: i8_tile(xq, xd, xs, qn, sn, mn, spb, y, m0, 3, N, K, n); break;
+                default: i8_tile(xq, xd, xs, qn, sn, mn, spb, y, m0, MR, N, K, n); break;
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
 }
 
 /* Rows[i] of the weight as float32, for i in [0, count): out [count][K]. rows: int64 row
  * numbers (a chunk of the weight for prefill GEMMs, or token ids for an embedding). */
-static void dequant_rows(const void *q, const float *scale, const float *minimum, const int64_t *rows,
+static void dequant_rows(const void *q, const float *scale, const float *minimum, int spb, const int64_t *rows,
                          float *out, int64_t count, int64_t K) {
 #pragma omp parallel for schedule(static) if (count > 8)
-    for (int64_t i = 0; i < count; i++) decode_row(q, scale, minimum, rows[i], K, out + i * K);
+    for (int64_t i = 0; i < count; i++) decode_row(q, scale, minimum, spb, rows[i], K, out + i * K);
 }
 
 void dolmus_q4_dequant_f32(const uint8_t *q, const float *scale, const float *minimum,
                            const int64_t *rows, float *out, int64_t count, int64_t K) {
-    dequant_rows(q, scale, minimum, rows, out, count, K);
+    dequant_rows(q, scale, minimum, 0, rows, out, count, K);
 }
 
-void dolmus_q8_dequant_f32(const int8_t *q, const float *scale, const int64_t *rows, float *out,
-                           int64_t count, int64_t K) {
-    dequant_rows(q, scale, NULL, rows, out, count, K);
+void dolmus_q8_dequant_f32(const int8_t *q, const float *scale, const float *minimum, const int64_t *rows,
+                           float *out, int64_t count, int64_t K, int64_t spb) {
+    dequant_rows(q, scale, minimum, (int)spb, rows, out, count, K);
 }
