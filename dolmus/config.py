@@ -170,9 +170,9 @@ class EngineConfig:
     # our C kernels: AVX-512 ones (int8/int4, norm, decode attention) for bf16 CPU runs, AVX2
     # ones for GGUF's block types as stored
     native_kernels: bool = True
-    # GGUF blocks in bf16 runs: float (x as the layer has it) | int8 (x rounded to int8 per block
-    # of 32 for the 8-bit blocks at up to 8 rows, as llama.cpp does: faster decode, a little
-    # less accurate)
+    # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
+    # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
+    # 8 rows, as llama.cpp does: faster decode, a little less accurate)
     gguf_activations: str = choice("float", ("float", "int8"))
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)

@@ -274,10 +274,17 @@ def test_a_k_quant_mix_runs_as_stored(tmp_path) -> None:
     torch.testing.assert_close(
         a, reference.engine.prompt_logprobs(ids, chunk_size=7).float(), rtol=0, atol=1e-4
     )
-    # bf16: Q4_K gate/up on our int4 kernel where the CPU has bf16, the rest on the block kernels
+    # bf16 (where the CPU has it: Q4_K gate/up on our int4 kernel, the rest on the grouped int8
+    # one): about as close to the float32 run as the decoded weights rounded to bf16 are
+    exact = a
+
+    def kl(other: torch.Tensor) -> float:
+        return float((exact.exp() * (exact - other)).sum(-1).mean())
+
     a = LLM(model=str(out), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=7).float()
     b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=7).float()
-    assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3
+    # (random codes with bf16 scales and minima that nearly cancel: ~2x here, ~1x on real files)
+    assert kl(a) < 3 * kl(b) + 1e-3
 
 
 def test_a_gguf_tokenizer_is_built_once_and_cached(tmp_path, monkeypatch) -> None:

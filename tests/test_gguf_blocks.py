@@ -21,6 +21,7 @@ from dolmus.config import ModelConfig
 from dolmus.quant import gguf_blocks
 from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.quant.gguf_unpack import from_gguf_blocks
+from dolmus.quant.native import INT8G_MAX_KERNEL_ROWS, int8_group_matmul, pack_int8_groups
 from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import iter_gguf_weights
 from dolmus.runtime.layers.linear import Linear
@@ -164,9 +165,9 @@ def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> N
 
 
 @needs_kernels
-def test_int8_activations_are_an_opt_in_for_bf16_runs(tmp_path, model_root) -> None:
-    """`gguf_activations="int8"` gives a bf16 run's 8-bit blocks int8 x (decode-sized steps),
-    close to the decoded weights; float32 runs and the default keep float x."""
+def test_int8_activations_are_an_opt_in(tmp_path, model_root) -> None:
+    """`gguf_activations="int8"` gives the AVX2 kernels' 8-bit blocks int8 x (decode-sized
+    steps), close to the decoded weights; by default x stays float."""
     src = build_model_dir("qwen2", model_root)
     path = tmp_path / "qwen2-q8_0.gguf"
     _convert(src, path, "q8_0")
@@ -177,15 +178,51 @@ def test_int8_activations_are_an_opt_in_for_bf16_runs(tmp_path, model_root) -> N
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
         return {m.method_state.int8_x for m in linears}
 
-    fast = LLM(model=str(path), dtype="bfloat16", gguf_activations="int8")
+    fast = LLM(model=str(path), dtype="float32", gguf_activations="int8")
     assert int8_x(fast) == {True}
-    assert int8_x(LLM(model=str(path), dtype="bfloat16")) == {False}
-    assert int8_x(LLM(model=str(path), dtype="float32", gguf_activations="int8")) == {False}
+    assert int8_x(LLM(model=str(path), dtype="float32")) == {False}
     ids = random_prompts(lengths=(40,), seed=13)[0]
     a = fast.engine.prompt_logprobs(ids, chunk_size=1).float()
-    b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=1).float()
-    kl = (b.exp() * (b - a)).sum(-1).mean()
-    assert kl < 5e-3
+    b = LLM(model=str(folder), dtype="float32").engine.prompt_logprobs(ids, chunk_size=1).float()
+    assert 0 < (b.exp() * (b - a)).sum(-1).mean() < 5e-3
+
+
+needs_bf16_kernels = pytest.mark.skipif(
+    native.library() is None, reason="the grouped int8 kernel needs x86-64 with AVX-512 BF16 and a C compiler"
+)
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K"])
+def test_grouped_int8_kernel_multiplies_as_the_decoded_weight(type_name) -> None:
+    """bf16 layers' blocks as bytes with bf16 scales (and zeros) per group: within bf16's
+    rounding of the decoded weight's product, at every row tile and the prefill path."""
+    n, k = 70, 512
+    codes, decoded = _quantized(type_name, n, k, seed=5)
+    packed, scale, zero = pack_int8_groups(codes.values(), codes.scale, codes.minimum)
+    gen = torch.Generator().manual_seed(6)
+    for m in (1, 2, 3, 4, 5, 9, INT8G_MAX_KERNEL_ROWS + 1):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        y = int8_group_matmul(x, packed, scale, zero, n, codes.group).float()
+        exact = x.double() @ decoded.double().T
+        assert ((y - exact).abs() <= 0.02 * exact.abs().max()).all()
+
+
+@needs_bf16_kernels
+def test_8_bit_blocks_in_a_bf16_run_take_the_grouped_int8_kernel(tmp_path, model_root) -> None:
+    src = build_model_dir("qwen2", model_root)
+    path = tmp_path / "qwen2-q8_0.gguf"
+    _convert(src, path, "q8_0")
+    folder = tmp_path / "decoded"
+    _decoded_folder(path, src, folder)
+    ours = LLM(model=str(path), dtype="bfloat16")
+    assert _layouts(ours) == {"int8 kernel"}
+    assert _linear_bytes(ours) / _linear_bytes(LLM(model=str(folder), dtype="bfloat16")) < (8 + 2) / 16
+    ids = random_prompts(lengths=(40,), seed=14)[0]
+    for chunk in (1, 7, 40):  # decode rows, a row tile, prefill
+        a = ours.engine.prompt_logprobs(ids, chunk_size=chunk).float()
+        b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=chunk).float()
+        assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3
 
 
 @needs_kernels

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dolmus.quant.native import int8_group_matmul, pack_int8_groups
 from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, tensor_bytes
@@ -139,7 +140,7 @@ def pack_lanes(w: BlockCodes) -> BlockCodes:
 class BlockState(LinearState):
     """A layer's blocks (its checkpoint parts stacked along the output rows), codes packed
     for the kernels (`pack_lanes`). `int8_x`: multiply 8-bit blocks with x rounded to int8
-    per block of 32 (bf16 layers: see `matmul`)."""
+    per block of 32 (`gguf_activations="int8"`: see `matmul`)."""
 
     weight: BlockCodes
     int8_x: bool = False
@@ -160,30 +161,86 @@ class BlockQuantMethod(LinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def place_blocks(layer: Linear, parts: dict[str | None, BlockCodes], int8_x: bool = False) -> None:
-    """Give the layer its blocks on BlockQuantMethod. Parts of one form are stacked as they
-    are; parts of different types (a Q4_K_M file's Q4_K q/k and Q6_K v) are widened to the
-    8-bit form that holds them all (`BlockCodes.widen`)."""
+def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: bool = False) -> BlockCodes:
+    """The layer's parts stacked along its output rows. Parts of one form are stacked as they
+    are; parts of different types (a Q4_K_M file's Q4_K q/k and Q6_K v), or any under
+    `bytes_only`, are widened to the 8-bit form that holds them all (`BlockCodes.widen`)."""
     ordered = [parts[shard] for shard in layer.shard_offsets]
-    if len({(p.bits, p.group, p.minimum is None) for p in ordered}) > 1:
+    if bytes_only or len({(p.bits, p.group, p.minimum is None) for p in ordered}) > 1:
         group = min(p.group for p in ordered)
         minima = any(p.minimum is not None for p in ordered)
         ordered = [p.widen(group, minima) for p in ordered]
     first = ordered[0]
-    weight = BlockCodes(
+    return BlockCodes(
         first.bits,
         torch.cat([p.codes for p in ordered]).contiguous(),
         torch.cat([p.scale for p in ordered]).contiguous(),
         torch.cat([p.minimum for p in ordered]).contiguous() if first.minimum is not None else None,  # type: ignore[misc]
         first.group,
     )
+
+
+def place_blocks(layer: Linear, parts: dict[str | None, BlockCodes], int8_x: bool = False) -> None:
+    """Give the layer its blocks on BlockQuantMethod (block_kernels.c)."""
+    weight = stack_parts(layer, parts)
     layer.method = BlockQuantMethod()
     layer.method_state = BlockState(pack_lanes(weight), int8_x)
     if layer.bias is not None:
         layer.bias.data = layer.bias.data.float()
+    _drop_float_weight(layer)
+    layer.checkpoint_layout = f"{weight.bits}-bit blocks"
+
+
+def _drop_float_weight(layer: Linear) -> None:
     if not layer.weight_shared:
         layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
-    layer.checkpoint_layout = f"{first.bits}-bit blocks"
+
+
+@dataclass
+class GroupedInt8State(LinearState):
+    """8-bit blocks packed for quant_kernels.c's grouped int8 kernel (quant/native.py)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    out_features: int
+    group: int
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed, self.scale, self.zero)
+
+
+class GroupedInt8Method(LinearMethod):
+    """bf16 layers on CPUs with AVX-512 BF16: the codes as bytes, a bf16 scale (and zero) per
+    group, bf16 dot products (1.5-3.5x the float32 block kernels' speed at 1-64 rows here)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        state: GroupedInt8State = layer.method_state  # type: ignore[assignment]
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = int8_group_matmul(flat, state.packed, state.scale, state.zero, state.out_features, state.group)
+        if layer.bias is not None:
+            y += layer.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def grouped_int8_available(layer: Linear, native_wanted: bool) -> bool:
+    return (
+        native_wanted
+        and layer.weight.device.type == "cpu"
+        and layer.weight.dtype == torch.bfloat16
+        and layer.in_features % BLOCK == 0
+        and native.library() is not None
+    )
+
+
+def place_grouped_int8(layer: Linear, parts: dict[str | None, BlockCodes]) -> None:
+    """Give the layer its blocks, as bytes, on GroupedInt8Method."""
+    weight = stack_parts(layer, parts, bytes_only=True)
+    packed, scale, zero = pack_int8_groups(weight.values(), weight.scale, weight.minimum)
+    layer.method = GroupedInt8Method()
+    layer.method_state = GroupedInt8State(packed, scale, zero, weight.shape[0], weight.group)
+    _drop_float_weight(layer)
+    layer.checkpoint_layout = "int8 kernel"
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -14,6 +14,7 @@ from dolmus.runtime.native import library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
 INT8_MAX_KERNEL_ROWS = 128  # above this many rows, int8 dequantizes to bf16 for PyTorch's GEMM
+INT8G_MAX_KERNEL_ROWS = 128  # the same for grouped int8 (measured: dequantize + GEMM wins above)
 DEQUANT_CHUNK_ROWS = 4096  # rows dequantized at a time on that path (bounded scratch memory)
 
 
@@ -98,6 +99,54 @@ def int4_matmul(
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.bfloat16)
     lib.dolmus_int4_gemm(_ptr(x), _ptr(packed), _ptr(scale), zero_ptr, _ptr(y), m, n, k, group)
+    return y
+
+
+# ---- grouped int8: codes [N, K] int8, bf16 scale (and zero) per (group, output row) ----
+
+
+def pack_int8_groups(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """[N, K] int8 codes, [N, K/g] scales and zeros (or None) -> blocks [Npad/64, K, 64] (as
+    pack_int8's) and bf16 [K/g, Npad] scales and zeros (w = q * scale + zero)."""
+    n, _ = codes.shape
+    pad = _padded_rows(n) - n
+    packed, _ = pack_int8(codes, torch.zeros(n))
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.to(torch.bfloat16).T, (0, pad)).contiguous()
+
+    return packed, by_group(scale), by_group(zero) if zero is not None else None
+
+
+def int8_group_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    n: int,
+    group: int,
+) -> torch.Tensor:
+    """x [M, K] bf16 times the packed grouped int8 weight -> [M, N] bf16. Above
+    INT8G_MAX_KERNEL_ROWS rows (long prefill chunks), PyTorch's bf16 GEMM on weight blocks
+    dequantized (transposed) a chunk at a time."""
+    lib = library()
+    zero_ptr = _ptr(zero) if zero is not None else None
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m <= INT8G_MAX_KERNEL_ROWS:
+        lib.dolmus_int8g_gemm(_ptr(x), _ptr(packed), _ptr(scale), zero_ptr, _ptr(y), m, n, k, group)
+        return y
+    npad = packed.shape[0] * BLOCK
+    scratch = torch.empty(k, min(npad, DEQUANT_CHUNK_ROWS), dtype=torch.bfloat16)
+    for n0 in range(0, npad, DEQUANT_CHUNK_ROWS):
+        n1 = min(npad, n0 + DEQUANT_CHUNK_ROWS)
+        wt = scratch[:, : n1 - n0]
+        lib.dolmus_int8g_dequant_t(_ptr(packed), _ptr(scale), zero_ptr, _ptr(wt), n0, n1, k, n, group)
+        cols = min(n, n1) - n0
+        y[:, n0 : n0 + cols] = torch.matmul(x, wt[:, :cols])
     return y
 
 

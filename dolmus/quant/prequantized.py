@@ -8,7 +8,9 @@ method, which may quantize it again on load. Either way the layer ends with its 
 and state. Kernels, in order of preference:
 - the int4 kernel of kernels.py's table where it takes checkpoint codes (AVX-512 bf16 on the
   CPU, Triton on a GPU): `Int4Codes`, and 4-bit GGUF blocks converted to them;
-- for GGUF blocks, block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
+- for the other GGUF blocks in bf16 layers, quant_kernels.c's grouped int8 kernel (AVX-512
+  BF16), the codes widened to bytes (gguf_blocks.GroupedInt8Method);
+- else block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class PrequantizedMethod(LinearMethod):
         if isinstance(pending, PendingCodes):
             if _run_as_stored(layer, pending.parts, self.native):
                 return
+            if _run_grouped_int8(layer, pending.parts, self.native):
+                return
             if _run_blocks(layer, pending.parts, self.native, self.int8_block_activations):
                 return
             # A tied head's codes are its embedding's, which loaded as the same floats.
@@ -119,6 +123,18 @@ def _int4_parts(p: Int4Codes | BlockCodes) -> tuple[torch.Tensor, torch.Tensor, 
     return p.codes, p.scale, (8 - p.zeros) * p.scale
 
 
+def _run_grouped_int8(layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
+    """bf16 layers on AVX-512 BF16: GGUF blocks the int4 kernel did not take, as bytes."""
+    fits = (
+        parts.keys() == layer.shard_offsets.keys()
+        and all(isinstance(p, BlockCodes) for p in parts.values())
+        and gguf_blocks.grouped_int8_available(layer, native)
+    )
+    if fits:
+        gguf_blocks.place_grouped_int8(layer, parts)  # type: ignore[arg-type]
+    return fits
+
+
 def _run_blocks(
     layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool, int8_x: bool
 ) -> bool:
@@ -130,6 +146,5 @@ def _run_blocks(
         and gguf_blocks.kernels_available(layer, native)
     )
     if fits:
-        int8_x = int8_x and layer.weight.dtype != torch.float32  # float32 runs stay exact
         gguf_blocks.place_blocks(layer, parts, int8_x)  # type: ignore[arg-type]
     return fits

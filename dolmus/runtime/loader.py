@@ -93,7 +93,7 @@ def load_model(
     int8_block_activations: bool = False,
 ) -> nn.Module:
     """Build the architecture's model for this tensor-parallel rank and fill it from `folder`.
-    `int8_block_activations`: bf16 layers on GGUF 8-bit blocks round x to int8 (gguf_blocks.matmul)."""
+    `int8_block_activations`: GGUF 8-bit blocks on the AVX2 kernels round x to int8 (gguf_blocks.matmul)."""
     gguf = is_gguf(folder)
     if gguf:
         weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)

@@ -61,6 +61,10 @@ _AVX512 = _Spec(
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_int4_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
+        # (x, packed, scale, zero or NULL, y, M, N, K, group)
+        "dolmus_int8g_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        # (packed, scale, zero or NULL, out [K][n1 - n0], n0, n1, K, N, group)
+        "dolmus_int8g_dequant_t": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
         "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
         # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
         "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],

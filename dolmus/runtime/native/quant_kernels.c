@@ -161,6 +161,87 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
     free(xsum);
 }
 
+/* y[M][N] = x[M][K] times int8 weights with a scale and zero per group of inputs (GGUF's 8-bit
+ * blocks: Q8_0, and the 5-, 6-, 3- and 2-bit types widened to bytes): w = q * scale[g][n] +
+ * zero[g][n] for k in group g; packed as dolmus_int8_gemm's; scale, zero: [K / group][Npad]
+ * bf16, zero NULL for none; K, group even. Per group, sum x q through bf16 dot products
+ * (codes are exact in bf16), then times the scale, plus the zero times sum x. */
+void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group) {
+    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
+    float *xsum = NULL; /* the zeros' term: zero * sum x per group */
+    if (zero) {
+        xsum = malloc(sizeof(float) * (size_t)(M * groups));
+        if (!xsum) return;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0;
+                for (int64_t k = g * group; k < (g + 1) * group; k++)
+                    s += _mm512_cvtss_f32(bf16_broadcast(x + m * K + k));
+                xsum[m * groups + g] = s;
+            }
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *pb = packed + b * K * 64;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t rows = M - m0 < MR ? M - m0 : MR;
+            __m512 total[MR][4];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 acc[MR][4];
+                for (int i = 0; i < MR; i++)
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+                for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+                    const int8_t *c = pb + k * 64;
+                    __m512bh w[4];
+                    for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
+                    for (int i = 0; i < MR && i < rows; i++) {
+                        int32_t pair;
+                        memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
+                        __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+                    }
+                }
+                for (int j = 0; j < 4; j++) {
+                    __m512 s = bf16x16_to_ps(scale + g * npad + b * 64 + 16 * j);
+                    for (int i = 0; i < MR && i < rows; i++) total[i][j] = _mm512_fmadd_ps(acc[i][j], s, total[i][j]);
+                    if (zero) {
+                        __m512 z = bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j);
+                        for (int i = 0; i < MR && i < rows; i++)
+                            total[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + i) * groups + g]), z, total[i][j]);
+                    }
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 4; j++)
+                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
+        }
+    }
+    free(xsum);
+}
+
+/* Outputs [n0, n1) of a grouped int8 weight as bf16, transposed: out[K][n1 - n0] (prefill
+ * chunks multiply it with PyTorch's bf16 GEMM). n0 and n1 - n0 multiples of 64 (whole blocks),
+ * so each input's 64 codes of a block, its scales and zeros are contiguous. */
+void dolmus_int8g_dequant_t(const int8_t *packed, const uint16_t *scale, const uint16_t *zero, uint16_t *out,
+                            int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t group) {
+    int64_t npad = (N + 63) / 64 * 64, width = n1 - n0;
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < K; k++) {
+        int64_t g = k / group;
+        for (int64_t n = n0; n < n1; n += 64) {
+            const int8_t *c = packed + (n / 64) * K * 64 + k * 64;
+            for (int j = 0; j < 4; j++) {
+                __m512 v = _mm512_mul_ps(int8x16_to_ps(c + 16 * j), bf16x16_to_ps(scale + g * npad + n + 16 * j));
+                if (zero) v = _mm512_add_ps(v, bf16x16_to_ps(zero + g * npad + n + 16 * j));
+                _mm256_storeu_si256((__m256i *)(out + k * width + (n - n0) + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
+    }
+}
+
 /* Rows [n0, n1) of an int8 weight as bf16, row-major [n1 - n0][K]: prefill chunks multiply
  * with PyTorch's bf16 GEMM, faster there than converting codes to float per row pass. */
 void dolmus_int8_dequant(const int8_t *packed, const float *scale, uint16_t *out,
