@@ -210,6 +210,8 @@ def test_grouped_int8_kernel_multiplies_as_the_decoded_weight(type_name) -> None
 
 @needs_bf16_kernels
 def test_8_bit_blocks_in_a_bf16_run_take_the_grouped_int8_kernel(tmp_path, model_root) -> None:
+    """On AVX-512 BF16 a bf16 run's Q8_0 layers (the tied head too) hold bytes and bf16 scales
+    only, and agree with the decoded weights in bf16 at decode, row-tile and prefill sizes."""
     src = build_model_dir("qwen2", model_root)
     path = tmp_path / "qwen2-q8_0.gguf"
     _convert(src, path, "q8_0")
@@ -218,10 +220,11 @@ def test_8_bit_blocks_in_a_bf16_run_take_the_grouped_int8_kernel(tmp_path, model
     ours = LLM(model=str(path), dtype="bfloat16")
     assert _layouts(ours) == {"int8 kernel"}
     assert _linear_bytes(ours) / _linear_bytes(LLM(model=str(folder), dtype="bfloat16")) < (8 + 2) / 16
+    reference = LLM(model=str(folder), dtype="bfloat16")
     ids = random_prompts(lengths=(40,), seed=14)[0]
     for chunk in (1, 7, 40):  # decode rows, a row tile, prefill
         a = ours.engine.prompt_logprobs(ids, chunk_size=chunk).float()
-        b = LLM(model=str(folder), dtype="bfloat16").engine.prompt_logprobs(ids, chunk_size=chunk).float()
+        b = reference.engine.prompt_logprobs(ids, chunk_size=chunk).float()
         assert (a.exp() * (a - b)).sum(-1).mean() < 5e-3
 
 

@@ -69,12 +69,13 @@ def pack_int4(
     # output o = 32s + 16h + 4l + i, input 2p + e  ->  byte [block, p, l, h, i, e], nibble s
     c = c.reshape(-1, 2, 2, 4, 4, k // 2, 2)  # [block, s, h, l, i, p, e]
     packed = (c[:, 0] | (c[:, 1] << 4)).permute(0, 4, 2, 1, 3, 5).reshape(-1, k // 2, BLOCK).contiguous()
+    zeros = _by_group(zero, pad)
+    return packed, _by_group(scale, pad), None if not zeros.any() else zeros
 
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t.to(torch.bfloat16).T, (0, pad)).contiguous()
 
-    zeros = by_group(zero)
-    return packed, by_group(scale), None if not zeros.any() else zeros
+def _by_group(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """Per-(row, group) values [N, G] as the kernels read them: bf16 [G, Npad]."""
+    return torch.nn.functional.pad(t.to(torch.bfloat16).T, (0, pad)).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -113,11 +114,7 @@ def pack_int8_groups(
     n, _ = codes.shape
     pad = _padded_rows(n) - n
     packed, _ = pack_int8(codes, torch.zeros(n))
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t.to(torch.bfloat16).T, (0, pad)).contiguous()
-
-    return packed, by_group(scale), by_group(zero) if zero is not None else None
+    return packed, _by_group(scale, pad), _by_group(zero, pad) if zero is not None else None
 
 
 def int8_group_matmul(
