@@ -9,10 +9,12 @@ goes away has its engine requests aborted, which frees their KV blocks before th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +56,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     client: Client | None = None
     charged: int = 0  # tokens taken from the client's quota; the unused part goes back at the end
+    unsent: list[int] | None = None  # sequences admitted but not yet counted by the engine (_Unsent)
 
     def settle(self, outputs: Iterable[RequestOutput]) -> None:
         """Give the client's quota back what the job did not use (once, however it ended)."""
@@ -63,6 +66,37 @@ class _Job:
         used += sum(len(c.token_ids) for out in outputs for c in out.outputs)
         self.client.tokens.give_back(max(self.charged - used, 0))
         self.charged = 0
+
+
+class _Unsent:
+    """Sequences `_check_room` admitted that the engine does not count as waiting yet.
+
+    The engine counts a request once the body of its `generate` runs, and the handlers get
+    there only after more awaits (tasks created in `_collect`; Starlette's first read of an SSE
+    body): many handlers resuming together could all pass the check before any was counted
+    (24 of 24 admitted under --max-waiting 2). Each admitted job holds its count here until its
+    requests reach the engine, and gives back what never did when it ends or is collected."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def admit(self, job: _Job, n: int) -> None:
+        cell = job.unsent = [n]
+        self.total += n
+        weakref.finalize(job, self._release, cell, n)  # a job dropped unseen (an SSE body never read)
+
+    def _release(self, cell: list[int], n: int) -> None:
+        taken = min(n, cell[0])
+        cell[0] -= taken
+        self.total -= taken
+
+    def sent(self, job: _Job, n: int) -> None:
+        if job.unsent is not None:
+            self._release(job.unsent, n)
+
+    def done(self, job: _Job) -> None:
+        if job.unsent is not None:
+            self._release(job.unsent, job.unsent[0])
 
 
 class OpenAIServing:
@@ -78,6 +112,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.chat_template = chat_template
         self.max_waiting = max_waiting
+        self._unsent = _Unsent()
         self.max_n = max_n
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -155,10 +190,11 @@ class OpenAIServing:
 
     def _check_room(self, num_new: int) -> None:
         """Admission control: refuse rather than queue without bound."""
-        if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
+        waiting = self.engine.num_waiting + self._unsent.total
+        if self.max_waiting is not None and waiting + num_new > self.max_waiting:
             raise APIError(
                 429,
-                f"the server is busy: {self.engine.num_waiting} requests are waiting "
+                f"the server is busy: {waiting} requests are waiting "
                 f"(--max-waiting {self.max_waiting}); retry later",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
@@ -240,6 +276,7 @@ class OpenAIServing:
         self._check_room(len(prompts) * body.n)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, priority, client=client)
         self._charge(job)
+        self._unsent.admit(job, len(prompts) * body.n)
         echo = texts if body.echo else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -378,6 +415,7 @@ class OpenAIServing:
         self._check_room(body.n)
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority, client=client)
         self._charge(job)
+        self._unsent.admit(job, body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(self._chat_events(job, include_usage, plan))
@@ -541,10 +579,19 @@ class OpenAIServing:
         for p, ids in enumerate(job.prompts):
             rid = f"{job.request_id}-{p}"
             self.in_flight[rid] = (job.priority, job.client.name if job.client is not None else "default")
-            gens.append(self.engine.generate(rid, ids, job.params, job.priority))
+            gens.append(self._counted(job, self.engine.generate(rid, ids, job.params, job.priority)))
         return gens
 
+    async def _counted(self, job: _Job, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        # The engine counts the request in the first step of `gen`, which runs in this same
+        # step (nothing awaits in between): the job's own count can go.
+        self._unsent.sent(job, job.params.n)
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async for out in gen:
+                yield out
+
     def _done(self, job: _Job) -> None:
+        self._unsent.done(job)
         for p in range(len(job.prompts)):
             self.in_flight.pop(f"{job.request_id}-{p}", None)
 
