@@ -123,13 +123,16 @@ def _int4_parts(p: Int4Codes | BlockCodes) -> tuple[torch.Tensor, torch.Tensor, 
     return p.codes, p.scale, (8 - p.zeros) * p.scale
 
 
+def _all_blocks(layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes]) -> bool:
+    """Every shard of the layer arrived, all as GGUF blocks."""
+    return parts.keys() == layer.shard_offsets.keys() and all(
+        isinstance(p, BlockCodes) for p in parts.values()
+    )
+
+
 def _run_grouped_int8(layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
     """bf16 layers on AVX-512 BF16: GGUF blocks the int4 kernel did not take, as bytes."""
-    fits = (
-        parts.keys() == layer.shard_offsets.keys()
-        and all(isinstance(p, BlockCodes) for p in parts.values())
-        and gguf_blocks.grouped_int8_available(layer, native)
-    )
+    fits = _all_blocks(layer, parts) and gguf_blocks.grouped_int8_available(layer, native)
     if fits:
         gguf_blocks.place_grouped_int8(layer, parts)  # type: ignore[arg-type]
     return fits
@@ -139,12 +142,7 @@ def _run_blocks(
     layer: Linear, parts: dict[str | None, Int4Codes | BlockCodes], native: bool, int8_x: bool
 ) -> bool:
     """Give the layer its GGUF blocks on block_kernels.c, if they run here."""
-    blocks = [p for p in parts.values() if isinstance(p, BlockCodes)]
-    fits = (
-        parts.keys() == layer.shard_offsets.keys()
-        and len(blocks) == len(parts)
-        and gguf_blocks.kernels_available(layer, native)
-    )
+    fits = _all_blocks(layer, parts) and gguf_blocks.kernels_available(layer, native)
     if fits:
         gguf_blocks.place_blocks(layer, parts, int8_x)  # type: ignore[arg-type]
     return fits

@@ -106,20 +106,28 @@ void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scal
     }
 }
 
-/* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even.
- * zero may be NULL (all zero: symmetric weights, llama.cpp's Q4_0), saving its bytes. */
-void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
-                      const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
-                      int64_t group) {
-    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
+/* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
+static float *group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
+    int64_t groups = K / group;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
-    if (!xsum) return;
+    if (!xsum) return NULL;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0;
             for (int64_t k = g * group; k < (g + 1) * group; k++) s += _mm512_cvtss_f32(bf16_broadcast(x + m * K + k));
             xsum[m * groups + g] = s;
         }
+    return xsum;
+}
+
+/* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even.
+ * zero may be NULL (all zero: symmetric weights, llama.cpp's Q4_0), saving its bytes. */
+void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
+                      const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                      int64_t group) {
+    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
+    float *xsum = group_sums(x, M, K, group);
+    if (!xsum) return;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *pb = packed + b * (K / 2) * 64;
@@ -170,17 +178,7 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group) {
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = NULL; /* the zeros' term: zero * sum x per group */
-    if (zero) {
-        xsum = malloc(sizeof(float) * (size_t)(M * groups));
-        if (!xsum) return;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < groups; g++) {
-                float s = 0;
-                for (int64_t k = g * group; k < (g + 1) * group; k++)
-                    s += _mm512_cvtss_f32(bf16_broadcast(x + m * K + k));
-                xsum[m * groups + g] = s;
-            }
-    }
+    if (zero && !(xsum = group_sums(x, M, K, group))) return;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *pb = packed + b * K * 64;
