@@ -29,8 +29,8 @@ def test_every_kernel_has_its_ctypes_signature(spec) -> None:
     declared = {}
     for name in spec.sources:
         source = (Path(native_build.__file__).parent / name).read_text()
-        for fn, params in re.findall(r"^void (dolmus_\w+)\(([^)]*)\)", source, re.M):
-            declared[fn] = len(params.split(","))
+        for fn, params in re.findall(r"^(?:void|int) (dolmus_\w+)\(([^)]*)\)", source, re.M):
+            declared[fn] = 0 if params == "void" else len(params.split(","))
     assert declared and declared == {fn: len(args) for fn, args in spec.signatures.items()}
 
 

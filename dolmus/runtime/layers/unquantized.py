@@ -1,8 +1,11 @@
-"""Float linear weights, prepacked for oneDNN on CPU in bf16.
+"""Float linear weights, packed on CPU in bf16 for the fastest kernel the CPU has.
 
-PyTorch's default bf16 GEMV streams weights at about half the memory bandwidth here;
+PyTorch's default bf16 GEMV streams weights at about half the memory bandwidth here.
 oneDNN's prepacked (blocked) layout reaches ~1.5-1.8x that at batch 1 and is no slower at
-large batches (measured: benchmarks/offline_throughput.py runs with it on).
+large batches (measured: benchmarks/offline_throughput.py runs with it on). On CPUs with AMX,
+our tile kernel (runtime/native/bf16_gemm.c) streams at about the full read bandwidth up to 32
+rows: 27 against oneDNN's 21.6 GB/s at one row, 23 against 18.4 at 32, within ~7% of it on
+prefill chunks of 256-512 rows (benchmarks/bf16_linear.py).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, tensor_bytes
+from dolmus.runtime.native import bf16_gemm
 
 
 @dataclass
@@ -26,23 +31,41 @@ class PrepackedWeight(LinearState):
         return tensor_bytes(self.packed)
 
 
+@dataclass
+class TilePackedWeight(LinearState):
+    """A bf16 weight in AMX tile order (bf16_gemm.c), with its bias in float32."""
+
+    packed: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed, self.bias)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, prepack: bool = True, native: bool = True) -> None:
         self.prepack = prepack
-        self.native = native  # checkpoint codes loaded under it may run on our kernels
+        self.native = native  # our kernels may run (AMX tiles; checkpoint codes loaded under it)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight
         if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if self.native and native.amx_ready():
+            bias = layer.bias.detach().float() if layer.bias is not None else None
+            layer.method_state = TilePackedWeight(bf16_gemm.pack(w.detach()), layer.out_features, bias)
+        elif torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            layer.method_state = PrepackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        else:
             return
-        layer.method_state = PrepackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach()))
         if not layer.weight_shared:  # the packed copy is the only one needed from now on
             layer.weight.data = torch.empty(0, dtype=w.dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         state = layer.method_state
+        if isinstance(state, TilePackedWeight):
+            return bf16_gemm.matmul(x, state.packed, state.out_features, state.bias)
         if state is not None:
             return torch.ops.mkldnn._linear_pointwise(x, state.packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)

@@ -3,7 +3,8 @@
 `library()`, for CPUs with AVX-512 (BF16) and bf16 models:
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
 - layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
-  the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py).
+  the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py);
+- bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py).
 
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
@@ -55,7 +56,7 @@ class _Spec:
 
 _AVX512 = _Spec(
     "dolmus-kernels",
-    ("quant_kernels.c", "layer_kernels.c"),
+    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c"),
     ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     {
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -70,6 +71,11 @@ _AVX512 = _Spec(
         "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
         "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],
         "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
+        # (w, packed, N, K)
+        "dolmus_bf16_pack": [_ptr, _ptr, _i64, _i64],
+        # (x, packed, bias or NULL, y, M, N, K)
+        "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        "dolmus_amx_ready": [],
     },
 )
 _AVX2 = _Spec(
@@ -92,6 +98,7 @@ _AVX2 = _Spec(
     },
 )
 LIBRARIES = (_AVX512, _AVX2)
+_RETURNS = {"dolmus_amx_ready": ctypes.c_int}  # every other kernel returns nothing
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -128,6 +135,14 @@ def cpu_has_bf16() -> bool:
     """Whether bf16 arithmetic is native here, not emulated: on x86-64 Linux, AVX-512 BF16 or
     AMX; elsewhere assumed (PyTorch's bf16 paths there are not ours to judge)."""
     return not _x86_linux() or bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.lru_cache(maxsize=1)
+def amx_ready() -> bool:
+    """Whether bf16_gemm.c's AMX kernel runs here: built for AMX, and the kernel (Linux) lets
+    this process use the tile registers (it asks once)."""
+    lib = library()
+    return lib is not None and bool(lib.dolmus_amx_ready())
 
 
 def find_compiler() -> str | None:
@@ -188,5 +203,5 @@ def _load(spec: _Spec) -> ctypes.CDLL | None:
         return None
     for name, args in spec.signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, _RETURNS.get(name)
     return lib

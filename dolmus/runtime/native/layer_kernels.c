@@ -46,76 +46,168 @@ void dolmus_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, i
     }
 }
 
+/* e^x in float32 to about one ulp: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in
+ * two parts), p a degree-7 Taylor polynomial on |r| <= ln 2 / 2. Large negative x gives 0,
+ * large positive x gives inf (scalef saturates), as expf does. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Positions of one work item of decode attention above this many live on the heap. */
+#define STACK_POSITIONS 1024
+
+/* r[j] = sum of the 16 lanes of v[j], j < 16: a transposing tree of 15 adds (one horizontal
+ * sum per score would cost ~3x as much). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: [8 partials of v[2i] | 8 of v[2i+1]] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: 4 partials each of v[4i .. 4i + 3] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* lane j of 128 bits: 2 partials of v[8i + j], 2 of v[8i + 4 + j] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    /* lane 4j + t now holds v[4t + j] */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);
+}
+
+static inline __mmask16 first_lanes(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+}
+
+/* The query heads q[g][d] (bf16) sharing KV head h attend to its `len` cached positions;
+ * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
+ * 16 positions at a time; values are weighed in float32, two query heads per pass. */
+static inline __attribute__((always_inline)) void attend(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
+    int64_t len, int64_t group, const int64_t d, float scale, float *scores, uint16_t *out) {
+    const int64_t pairs = (d + 31) / 32, chunks = d / 16; /* zmm of bf16 pairs; of 16 floats */
+    const __mmask16 tail = d % 32 ? 0x00FF : 0xFFFF;      /* d % 32 == 16: half a vector of pairs */
+    for (int64_t g = 0; g < group; g++) {
+        __m512bh qv[16];
+        for (int64_t c = 0; c < pairs; c++)
+            qv[c] = (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, q + g * d + 32 * c);
+        float *sg = scores + g * len;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t p0 = 0; p0 < len; p0 += 16) {
+            __m512 dots[16];
+            int64_t count = len - p0 < 16 ? len - p0 : 16;
+            for (int i = 0; i < 16; i++) { /* past the end: position p0 again, its lane unused */
+                const uint16_t *kr = k_cache + rows[p0 + (i < count ? i : 0)];
+                dots[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; c++)
+                    dots[i] = _mm512_dpbf16_ps(
+                        dots[i], qv[c],
+                        (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, kr + 32 * c));
+            }
+            __mmask16 k = first_lanes(count);
+            __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(sg + p0, k, s);
+            top = _mm512_mask_max_ps(top, k, top, s);
+        }
+        __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (int64_t p0 = 0; p0 < len; p0 += 16) {
+            __mmask16 k = first_lanes(len - p0);
+            __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p0), m)));
+            _mm512_mask_storeu_ps(sg + p0, k, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int64_t p0 = 0; p0 < len; p0 += 16) {
+            __mmask16 k = first_lanes(len - p0);
+            _mm512_mask_storeu_ps(sg + p0, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sg + p0), inv));
+        }
+    }
+    for (int64_t g = 0; g < group; g += 2) { /* weighted values, two heads per pass */
+        int64_t two = group - g >= 2;
+        const float *s0 = scores + g * len, *s1 = scores + (g + two) * len;
+        __m512 acc0[16], acc1[16];
+        for (int64_t c = 0; c < chunks; c++) acc0[c] = acc1[c] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < len; p++) {
+            const uint16_t *vr = v_cache + rows[p];
+            __m512 w0 = _mm512_set1_ps(s0[p]), w1 = _mm512_set1_ps(s1[p]);
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512 v = load_bf16x16(vr + 16 * c);
+                acc0[c] = _mm512_fmadd_ps(w0, v, acc0[c]);
+                acc1[c] = _mm512_fmadd_ps(w1, v, acc1[c]);
+            }
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            store_bf16x16(out + g * d + 16 * c, acc0[c]);
+            if (two) store_bf16x16(out + (g + 1) * d + 16 * c, acc1[c]);
+        }
+    }
+}
+
 /* One new token per sequence attends to its cached keys and values (its own included).
  *   q:        token s's query heads at q + s * q_stride, [hq][d]
  *   k_cache, v_cache: [slots][hkv][d], slot = block * bs + offset
  *   block_ids: [n][nb] each sequence's blocks; lengths: [n] positions to attend
  *   out:      [n][hq][d]
  * Query head j reads KV head j / (hq / hkv). Work items are (sequence, KV head) pairs, so
- * the query heads sharing a KV head read each key once. d % 16 == 0. */
+ * the query heads sharing a KV head read its keys while they are in cache.
+ * d % 16 == 0, d <= 256. */
 void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale) {
     int64_t group = hq / hkv;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (n * hkv > 1)
     for (int64_t item = 0; item < n * hkv; item++) {
         int64_t s = item / hkv, h = item % hkv, len = lengths[s];
+        /* per position: its row's offset in the caches, then each query head's score */
+        int64_t stack[STACK_POSITIONS * 9];
+        size_t words = (size_t)(len + (group * len + 1) / 2);
+        int64_t *rows = len <= STACK_POSITIONS && group <= 16 ? stack : malloc(sizeof(int64_t) * words);
+        if (!rows) continue;
         const int64_t *table = block_ids + s * nb;
-        float *qf = malloc(sizeof(float) * (size_t)(2 * group * d + group * len));
-        if (!qf) continue;
-        float *acc = qf + group * d, *scores = acc + group * d;
+        for (int64_t b = 0, p = 0; p < len; b++)
+            for (int64_t i = 0; i < bs && p < len; i++, p++) rows[p] = ((table[b] * bs + i) * hkv + h) * d;
+        float *scores = (float *)(rows + len);
         const uint16_t *qs = q + s * q_stride + h * group * d;
-        for (int64_t i = 0; i < group * d; i += 16)
-            _mm512_storeu_ps(qf + i, _mm512_mul_ps(load_bf16x16(qs + i), _mm512_set1_ps(scale)));
-        for (int64_t p = 0; p < len; p++) {
-            const uint16_t *kr = k_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
-            for (int64_t g = 0; g < group; g++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int64_t i = 0; i < d; i += 16)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + i), load_bf16x16(kr + i), dot);
-                scores[g * len + p] = _mm512_reduce_add_ps(dot);
-            }
-        }
-        for (int64_t g = 0; g < group; g++) { /* softmax, in place */
-            float *sg = scores + g * len, top = sg[0], sum = 0;
-            for (int64_t p = 1; p < len; p++) top = sg[p] > top ? sg[p] : top;
-            for (int64_t p = 0; p < len; p++) {
-                sg[p] = expf(sg[p] - top);
-                sum += sg[p];
-            }
-            for (int64_t p = 0; p < len; p++) sg[p] /= sum;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)(group * d));
-        for (int64_t p = 0; p < len; p++) {
-            const uint16_t *vr = v_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
-            for (int64_t i = 0; i < d; i += 16) {
-                __m512 v = load_bf16x16(vr + i);
-                for (int64_t g = 0; g < group; g++) {
-                    float *a = acc + g * d + i;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + p]), v, _mm512_loadu_ps(a)));
-                }
-            }
-        }
         uint16_t *o = out + (s * hq + h * group) * d;
-        for (int64_t i = 0; i < group * d; i += 16) store_bf16x16(o + i, _mm512_loadu_ps(acc + i));
-        free(qf);
+        if (d == 64) /* the common head sizes, with constant loop bounds */
+            attend(qs, k_cache, v_cache, rows, len, group, 64, scale, scores, o);
+        else if (d == 128)
+            attend(qs, k_cache, v_cache, rows, len, group, 128, scale, scores, o);
+        else
+            attend(qs, k_cache, v_cache, rows, len, group, d, scale, scores, o);
+        if (rows != stack) free(rows);
     }
 }
 
 /* out = bf16(silu(gate)) * up, rounded to bf16: PyTorch's bf16 order. x: [rows][2 * cols]
  * (gate, then up, as the fused gate/up projection emits them); out: [rows][cols].
- * cols % 16 == 0. */
+ * cols % 16 == 0. Work goes in spans of 512 columns, so one wide row can use both cores. */
 void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols) {
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int64_t r = 0; r < rows; r++) {
+    int64_t spans = (cols + 511) / 512;
+#pragma omp parallel for schedule(static) if (rows * cols >= 16384)
+    for (int64_t item = 0; item < rows * spans; item++) {
+        int64_t r = item / spans, c0 = item % spans * 512, c1 = c0 + 512 < cols ? c0 + 512 : cols;
         const uint16_t *gate = x + r * 2 * cols, *up = gate + cols;
-        float g[16];
-        for (int64_t c = 0; c < cols; c += 16) {
-            _mm512_storeu_ps(g, load_bf16x16(gate + c));
-            for (int i = 0; i < 16; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
-            __m512 s = round_to_bf16(_mm512_loadu_ps(g));
-            store_bf16x16(out + r * cols + c, _mm512_mul_ps(s, load_bf16x16(up + c)));
+        for (int64_t c = c0; c < c1; c += 16) {
+            __m512 g = load_bf16x16(gate + c);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            store_bf16x16(out + r * cols + c, _mm512_mul_ps(round_to_bf16(silu), load_bf16x16(up + c)));
         }
     }
 }
