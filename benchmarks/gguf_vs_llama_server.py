@@ -26,36 +26,20 @@ the AVX-512 flags on, and say so.) Then:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pressure import cpu_pressure_total as cpu_pressure  # noqa: E402
+from served import Load, bench, print_table  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess, free_port, wait_healthy  # noqa: E402
-from dolmus.cli import main as dolmus_main  # noqa: E402
 
 SMOLLM2 = (
     Path(__file__).resolve().parents[2]
     / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 )
 THREADS = 2
-
-
-def _bench(
-    base_url: str, model: Path, concurrency: int, requests: int, args: argparse.Namespace, out: Path
-) -> dict:
-    code = dolmus_main(
-        ["bench", "--base-url", base_url, "--model", str(model), "--tokenizer", str(model)]
-        + ["--concurrency", str(concurrency), "--num-requests", str(requests)]
-        + ["--input-len", args.input_len, "--output-len", args.output_len, "--no-progress", "--out", str(out)]
-    )
-    if code:
-        raise SystemExit(f"dolmus bench failed with status {code}")
-    return json.loads((out / "results.json").read_text())["runs"][0]
 
 
 def _llama_server(binary: Path, model: Path, slots: int) -> tuple[subprocess.Popen, str]:
@@ -82,28 +66,28 @@ def main() -> None:
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
     args = parser.parse_args()
-    loads = list(zip(map(int, args.concurrency.split(",")), map(int, args.num_requests.split(","))))
-
-    results: dict[str, list[dict]] = {}
-    pressures: dict[str, list[float]] = {}
+    loads = [
+        Load(f"{c} users", c, n)
+        for c, n in zip(map(int, args.concurrency.split(",")), map(int, args.num_requests.split(",")))
+    ]
+    model = str(args.model)
+    runs: dict[str, list[tuple[dict, float]]] = {}
     for name in ("llama-server", "dolmus"):
         print(f"\n=== {name} ===", flush=True)
         if name == "dolmus":
             server = ServerProcess(
-                "--model", str(args.model), "--num-threads", str(THREADS), *args.dolmus_serve_args.split()
+                "--model", model, "--num-threads", str(THREADS), *args.dolmus_serve_args.split()
             )
             base_url, stop = server.base_url, server.stop
         else:
-            proc, base_url = _llama_server(args.llama_server, args.model, max(c for c, _ in loads))
+            proc, base_url = _llama_server(args.llama_server, args.model, max(x.concurrency for x in loads))
             stop = proc.terminate
         try:
-            for concurrency, requests in loads:
-                psi, t = cpu_pressure(), time.monotonic()
-                run = _bench(
-                    base_url, args.model, concurrency, requests, args, args.out / name / f"c{concurrency}"
+            for load in loads:
+                out = args.out / name / f"c{load.concurrency}"
+                runs.setdefault(name, []).append(
+                    bench(base_url, model, model, load, args.input_len, args.output_len, out)
                 )
-                results.setdefault(name, []).append(run)
-                pressures.setdefault(name, []).append((cpu_pressure() - psi) / 1e6 / (time.monotonic() - t))
         finally:
             stop()
             if name == "llama-server":
@@ -113,20 +97,7 @@ def main() -> None:
         f"\n{args.model.name}, {args.input_len} in / {args.output_len} out, {THREADS} threads, "
         "greedy, ignore_eos"
     )
-    print(
-        "| load | llama-server tok/s | dolmus tok/s | dolmus / llama-server | TTFT p50 llama / dolmus "
-        "| TPOT p50 llama / dolmus | CPU pressure llama / dolmus |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for i, (concurrency, _) in enumerate(loads):
-        p, d = results["llama-server"][i]["summary"], results["dolmus"][i]["summary"]
-        print(
-            f"| {concurrency} users | {p['output_throughput']:.1f} | {d['output_throughput']:.1f} "
-            f"| {d['output_throughput'] / p['output_throughput']:.2f}x "
-            f"| {1e3 * p['ttft']['p50']:.0f} / {1e3 * d['ttft']['p50']:.0f} ms "
-            f"| {1e3 * p['tpot']['p50']:.1f} / {1e3 * d['tpot']['p50']:.1f} ms "
-            f"| {100 * pressures['llama-server'][i]:.1f}% / {100 * pressures['dolmus'][i]:.1f}% |"
-        )
+    print_table("llama-server", loads, runs)
 
 
 if __name__ == "__main__":

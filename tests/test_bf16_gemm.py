@@ -10,6 +10,7 @@ from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.native import bf16_gemm
+from dolmus.runtime.native import ops as native_ops
 
 pytestmark = pytest.mark.skipif(
     not native.cpu_supported() or native.find_compiler() is None or not native.amx_ready(),
@@ -43,6 +44,26 @@ def test_tile_matmul_keeps_leading_dims_and_takes_strided_rows() -> None:
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [1, 7, 32, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gated_weight_ends_in_silu_and_mul_exactly_as_the_separate_kernel(m: int, bias: bool) -> None:
+    """gate/up packed gated: the fused SiLU(gate) * up has the bits of the plain product
+    followed by the SiLU-and-multiply kernel, and its plain product comes back in (gate, up)
+    order."""
+    gen = torch.Generator().manual_seed(m)
+    features, k = 96, 128
+    w = torch.randn(2 * features, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(2 * features, generator=gen) if bias else None
+    plain = bf16_gemm.matmul(x, bf16_gemm.pack(w), 2 * features, b)
+    gated_bias = bf16_gemm.gated_bias(b) if bias else None
+    fused = bf16_gemm.matmul(x, bf16_gemm.pack(w, gated=True), 2 * features, gated_bias, gated=True)
+    assert fused.shape == (m, features)
+    assert torch.equal(fused, native_ops.silu_and_mul(plain))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        bf16_gemm.pack(w[:40], gated=True)
+
+
 def test_a_bf16_model_runs_its_linears_on_tiles_and_agrees_with_pytorch(model_dir) -> None:
     """Every linear layer (the tied head too) on the tile kernel; next-token distributions of
     prefill- and decode-shaped steps agree with PyTorch's plain bf16 linears."""
@@ -50,6 +71,12 @@ def test_a_bf16_model_runs_its_linears_on_tiles_and_agrees_with_pytorch(model_di
     plain = LLM(model=str(model_dir), dtype="bfloat16", prepack_weights=False)
     layers = [m for m in ours.engine.runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(isinstance(m.method_state, TilePackedWeight) for m in layers)
+    assert all(m.method_state.gated == m.gated for m in layers)  # 64-wide MLPs: fused SiLU
+    name = "model.layers.0.mlp.gate_up_proj"
+    gate_up = ours.engine.runner.model.get_submodule(name)
+    x = torch.randn(3, gate_up.in_features).bfloat16()  # its plain product, in (gate, up) order
+    expected = x.float() @ plain.engine.runner.model.get_submodule(name).weight.float().T
+    torch.testing.assert_close(gate_up(x).float(), expected, rtol=2**-7, atol=1e-2)
     ids = torch.randint(3, 512, (120,), generator=torch.Generator().manual_seed(4)).tolist()
     for chunk in (None, 1):
         a = ours.engine.prompt_logprobs(ids, chunk_size=chunk).float()

@@ -9,6 +9,7 @@ model gets every format and every parallel layout without model changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -35,6 +36,9 @@ class Linear(nn.Module):
     holds this rank's share of each part (a fused q/k/v its share of the q, k and v heads),
     a row-parallel one its share of the inputs, and `in_features`, `out_features` and
     `shard_offsets` describe what the rank holds.
+
+    A `gated` layer is an MLP's gate and up projections, its output's two halves; its
+    `forward_silu_and_mul` gives SiLU(gate) * up, which a method may fuse into the product.
     """
 
     def __init__(
@@ -47,8 +51,10 @@ class Linear(nn.Module):
         *,
         style: ParallelStyle = ParallelStyle.REPLICATED,
         parallel: ParallelConfig = SINGLE_RANK,
+        gated: bool = False,
     ) -> None:
         super().__init__()
+        self.gated = gated
         if isinstance(shard_sizes, int):
             shard_sizes = {None: shard_sizes}
         self.style, self.parallel = style, parallel
@@ -108,6 +114,15 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         return tensor_parallel_all_reduce(y, self.parallel) if self.reduce_output else y
+
+    def forward_silu_and_mul(
+        self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """SiLU(gate) * up of a gated layer; `silu_and_mul` is the op to apply when the method
+        does not fuse it."""
+        if not self.gated or self.reduce_output:
+            raise ValueError("forward_silu_and_mul needs a gated, column-parallel or whole layer")
+        return self.method.apply_silu_and_mul(self, x, silu_and_mul)
 
 
 def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:

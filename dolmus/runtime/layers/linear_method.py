@@ -9,6 +9,7 @@ settings; what it keeps for one layer is a typed `LinearState` in that layer's s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -73,6 +74,13 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_silu_and_mul(
+        self, layer: Linear, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """SiLU(gate) * up of a gated layer (Linear.gated). A method may fuse the activation
+        into its product; by default it applies `silu_and_mul` to the product."""
+        return silu_and_mul(self.apply(layer, x))
 
     def head_method(self) -> LinearMethod:
         """The method for the LM head (a format may keep it at higher precision)."""

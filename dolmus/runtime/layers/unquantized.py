@@ -10,6 +10,7 @@ prefill chunks of 256-512 rows (benchmarks/bf16_linear.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,14 @@ class PrepackedWeight(LinearState):
 
 @dataclass
 class TilePackedWeight(LinearState):
-    """A bf16 weight in AMX tile order (bf16_gemm.c), with its bias in float32."""
+    """A bf16 weight in AMX tile order (bf16_gemm.c), with its bias in float32. A gated one
+    (an MLP's gate/up, halves of a multiple of 16 rows) interleaves its halves so the kernel
+    can end in SiLU(gate) * up."""
 
     packed: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
+    gated: bool
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed, self.bias)
@@ -53,8 +57,12 @@ class UnquantizedLinearMethod(LinearMethod):
         if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return
         if self.native and native.amx_ready():
+            gated = layer.gated and layer.out_features % (2 * bf16_gemm.GATED_MULTIPLE) == 0
             bias = layer.bias.detach().float() if layer.bias is not None else None
-            layer.method_state = TilePackedWeight(bf16_gemm.pack(w.detach()), layer.out_features, bias)
+            if gated and bias is not None:
+                bias = bf16_gemm.gated_bias(bias)
+            packed = bf16_gemm.pack(w.detach(), gated)
+            layer.method_state = TilePackedWeight(packed, layer.out_features, bias, gated)
         elif torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             layer.method_state = PrepackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach()))
         else:
@@ -65,7 +73,24 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         state = layer.method_state
         if isinstance(state, TilePackedWeight):
+            if state.gated:  # the layer's own output order is (gate, up): unfused
+                return self._unfused(state, x)
             return bf16_gemm.matmul(x, state.packed, state.out_features, state.bias)
         if state is not None:
             return torch.ops.mkldnn._linear_pointwise(x, state.packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_silu_and_mul(
+        self, layer: Linear, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        state = layer.method_state
+        if isinstance(state, TilePackedWeight) and state.gated:
+            return bf16_gemm.matmul(x, state.packed, state.out_features, state.bias, gated=True)
+        return silu_and_mul(self.apply(layer, x))
+
+    @staticmethod
+    def _unfused(state: TilePackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """A gated weight's plain product, back in the layer's (gate, up) order."""
+        n, block = state.out_features, bf16_gemm.GATED_MULTIPLE
+        y = bf16_gemm.matmul(x, state.packed, n, state.bias)  # rows of (gate, up) blocks of 16
+        return y.view(-1, n // 2 // block, 2, block).transpose(1, 2).reshape(*x.shape[:-1], n)

@@ -104,13 +104,20 @@ class MLP(nn.Module):
         size = cfg.intermediate_size
         column, row = ParallelStyle.COLUMN, ParallelStyle.ROW
         self.gate_up_proj = Linear(
-            cfg.hidden_size, {"gate": size, "up": size}, False, dtype, method, style=column, parallel=parallel
+            cfg.hidden_size,
+            {"gate": size, "up": size},
+            False,
+            dtype,
+            method,
+            style=column,
+            parallel=parallel,
+            gated=True,
         )
         self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel)
         self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.ops.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):

@@ -52,6 +52,7 @@ class _Spec:
     sources: tuple[str, ...]
     cpu_flags: tuple[str, ...]  # all of these in /proc/cpuinfo
     signatures: dict[str, list[Any]]
+    headers: tuple[str, ...] = ()  # included by the sources: part of the build's cache key
 
 
 _AVX512 = _Spec(
@@ -73,10 +74,11 @@ _AVX512 = _Spec(
         "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
         # (w, packed, N, K)
         "dolmus_bf16_pack": [_ptr, _ptr, _i64, _i64],
-        # (x, packed, bias or NULL, y, M, N, K)
-        "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        # (x, packed, bias or NULL, y, M, N, K, gated)
+        "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_amx_ready": [],
     },
+    headers=("bf16_simd.h",),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
@@ -190,7 +192,7 @@ def _load(spec: _Spec) -> ctypes.CDLL | None:
         logger.warning("native CPU kernels: no C compiler (set CC); using PyTorch's slower ops")
         return None
     sources = [Path(__file__).with_name(name) for name in spec.sources]
-    source = b"".join(p.read_bytes() for p in sources)
+    source = b"".join(Path(__file__).with_name(name).read_bytes() for name in spec.sources + spec.headers)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *sorted(_cpu_flags())]).encode())
     target = _cache_dir() / f"{spec.name}-{key.hexdigest()[:16]}.so"
     try:

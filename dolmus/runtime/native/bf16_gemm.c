@@ -13,6 +13,11 @@
  * a panel (K * 64 bytes) is read from memory once and from cache for later blocks. Sums are
  * float32; an optional float32 bias is added before the one rounding to bf16. Threads split
  * the panels (OpenMP: see runtime/native/__init__.py).
+ *
+ * A gate/up projection of an MLP may be packed gated: its two tiles of a panel are the gate
+ * and the up rows of the same 16 features, and the product ends in SiLU(gate) * up for them,
+ * rounded as the separate SiLU-and-multiply kernel rounds (layer_kernels.c): one pass over
+ * its output instead of three.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
@@ -21,6 +26,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "bf16_simd.h"
 
 #define PANEL 32      /* outputs per panel */
 #define KSTEP 32      /* inputs per tile step */
@@ -89,11 +96,33 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* y [M][N] = x [M][K] times the packed weight. Tiles read x in whole steps of 32 inputs and,
- * past 16 rows, whole blocks of 16 rows: other shapes go through a zero-padded copy. */
+/* Rows r < 16 of one panel's two 16 x 16 float tiles (t0, t1) -> y. Plain: outputs
+ * [n0, n0 + 32) = (t0, t1) plus bias. Gated: outputs [n0 / 2, n0 / 2 + 16) = SiLU(t0) * t1, each
+ * rounded to bf16 first as the unfused layer's output is. */
+static void store_panel(const float *t0, const float *t1, int64_t rows, const float *bias, uint16_t *y,
+                        int64_t ldy, int64_t n0, int64_t N, int gated) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (!gated) {
+            store_row(y + r * ldy + n0, t0 + 16 * r, bias ? bias + n0 : NULL, N - n0);
+            store_row(y + r * ldy + n0 + 16, t1 + 16 * r, bias ? bias + n0 + 16 : NULL, N - n0 - 16);
+            continue;
+        }
+        __m512 g = _mm512_loadu_ps(t0 + 16 * r), u = _mm512_loadu_ps(t1 + 16 * r);
+        if (bias) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + n0));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + n0 + 16));
+        }
+        store_bf16x16(y + r * ldy + n0 / 2, silu_and_mul_ps(round_to_bf16(g), round_to_bf16(u)));
+    }
+}
+
+/* y = x [M][K] times the packed weight: [M][N], or [M][N / 2] when gated (N % 32 == 0 then).
+ * Tiles read x in whole steps of 32 inputs and, past 16 rows, whole blocks of 16 rows: other
+ * shapes go through a zero-padded copy. */
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t M, int64_t N, int64_t K) {
+                          int64_t M, int64_t N, int64_t K, int64_t gated) {
     int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP, kp = steps * KSTEP;
+    int64_t ldy = gated ? N / 2 : N;
     int rows = M < 16 ? (int)M : 16;
     int64_t mp = M < 16 ? M : round_up(M, 16);
     uint16_t *padded = NULL;
@@ -107,7 +136,7 @@ void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float
 #pragma omp parallel
     {
         configure(rows);
-        float out[16 * 16];
+        float t0[16 * 16], t1[16 * 16];
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const uint16_t *pp = packed + p * steps * 2 * TILE;
@@ -134,16 +163,15 @@ void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float
                         _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                for (int c = 0; c < (two ? 4 : 2); c++) {
-                    switch (c) { /* tile numbers are immediates */
-                    case 0: _tile_stored(0, out, 64); break;
-                    case 1: _tile_stored(1, out, 64); break;
-                    case 2: _tile_stored(2, out, 64); break;
-                    default: _tile_stored(3, out, 64); break;
-                    }
-                    int64_t r0 = m0 + 16 * (c / 2), n0 = p * PANEL + 16 * (c % 2);
-                    for (int64_t r = 0; r < 16 && r0 + r < M; r++)
-                        store_row(y + (r0 + r) * N + n0, out + 16 * r, bias ? bias + n0 : NULL, N - n0);
+                int64_t n0 = p * PANEL, left = M - m0;
+                _tile_stored(0, t0, 64);
+                _tile_stored(1, t1, 64);
+                store_panel(t0, t1, left < 16 ? left : 16, bias, y + m0 * ldy, ldy, n0, N, (int)gated);
+                if (two) {
+                    _tile_stored(2, t0, 64);
+                    _tile_stored(3, t1, 64);
+                    left -= 16;
+                    store_panel(t0, t1, left < 16 ? left : 16, bias, y + (m0 + 16) * ldy, ldy, n0, N, (int)gated);
                 }
             }
         }
@@ -157,8 +185,8 @@ void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float
 int dolmus_amx_ready(void) { return 0; }
 
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t M, int64_t N, int64_t K) {
-    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
+                          int64_t M, int64_t N, int64_t K, int64_t gated) {
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)gated;
     abort(); /* never called: dolmus_amx_ready() said no */
 }
 

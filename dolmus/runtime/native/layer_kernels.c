@@ -3,8 +3,8 @@
  *
  * Each replaces several small PyTorch ops per layer and token (see __init__.py). They
  * compute in float32 and round to bf16 where PyTorch's bf16 code rounds, so the elementwise
- * kernels give PyTorch's bits (up to the order of one float sum in RMSNorm, and expf against
- * PyTorch's own exp in SiLU) and attention agrees to bf16 rounding.
+ * kernels give PyTorch's bits (up to the order of one float sum in RMSNorm, and our exp against
+ * PyTorch's own in SiLU) and attention agrees to bf16 rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,19 +12,7 @@
 #include <string.h>
 #include <immintrin.h>
 
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void store_bf16x16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __m512 round_to_bf16(__m512 v) {
-    __m256bh h = _mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-}
+#include "bf16_simd.h"
 
 /* out[r] = weight * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)): transformers' order (statistics
  * in float32, the normalized row rounded to bf16, then the weight). cols % 16 == 0. */
@@ -44,27 +32,6 @@ void dolmus_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, i
             store_bf16x16(out + r * cols + c, _mm512_mul_ps(normed, load_bf16x16(weight + c)));
         }
     }
-}
-
-/* e^x in float32 to about one ulp: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in
- * two parts), p a degree-7 Taylor polynomial on |r| <= ln 2 / 2. Large negative x gives 0,
- * large positive x gives inf (scalef saturates), as expf does. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Positions of one work item of decode attention above this many live on the heap. */
@@ -204,10 +171,7 @@ void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t
         int64_t r = item / spans, c0 = item % spans * 512, c1 = c0 + 512 < cols ? c0 + 512 : cols;
         const uint16_t *gate = x + r * 2 * cols, *up = gate + cols;
         for (int64_t c = c0; c < c1; c += 16) {
-            __m512 g = load_bf16x16(gate + c);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            store_bf16x16(out + r * cols + c, _mm512_mul_ps(round_to_bf16(silu), load_bf16x16(up + c)));
+            store_bf16x16(out + r * cols + c, silu_and_mul_ps(load_bf16x16(gate + c), load_bf16x16(up + c)));
         }
     }
 }

@@ -1,0 +1,63 @@
+"""What the served side-by-side benchmarks share: one `dolmus bench` run against a base URL,
+timed with the CPU pressure it saw, and the table of a peer's runs beside ours."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pressure import cpu_pressure_total  # noqa: E402
+
+from dolmus.cli import main as dolmus_main  # noqa: E402
+
+
+@dataclass
+class Load:
+    """One row of a table: a name, a concurrency, a request count, and extra bench flags."""
+
+    name: str
+    concurrency: int
+    requests: int
+    flags: tuple[str, ...] = ()
+
+
+def bench(
+    base_url: str, model: str, tokenizer: str, load: Load, input_len: str, output_len: str, out: Path
+) -> tuple[dict, float]:
+    """Run `dolmus bench` once; return its run (results.json) and the CPU pressure during it
+    (share of the time some task waited for a core; above ~5% the run was disturbed)."""
+    psi, t = cpu_pressure_total(), time.monotonic()
+    code = dolmus_main(
+        ["bench", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer]
+        + ["--concurrency", str(load.concurrency), "--num-requests", str(load.requests)]
+        + ["--input-len", input_len, "--output-len", output_len, *load.flags]
+        + ["--no-progress", "--out", str(out)]
+    )
+    if code:
+        raise SystemExit(f"dolmus bench failed with status {code}")
+    pressure = (cpu_pressure_total() - psi) / 1e6 / (time.monotonic() - t)
+    return json.loads((out / "results.json").read_text())["runs"][0], pressure
+
+
+def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, float]]]) -> None:
+    """Markdown table of the peer's runs and ours, load by load, with dolmus / peer ratios."""
+    print(
+        f"| load | {peer} tok/s | dolmus tok/s | dolmus / {peer} | TTFT p50 / p99 {peer} "
+        f"| TTFT p50 / p99 dolmus | TPOT p50 {peer} / dolmus | CPU pressure {peer} / dolmus |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, load in enumerate(loads):
+        (p, pp), (d, dp) = runs[peer][i], runs["dolmus"][i]
+        p, d = p["summary"], d["summary"]
+        print(
+            f"| {load.name} | {p['output_throughput']:.1f} | {d['output_throughput']:.1f} "
+            f"| {d['output_throughput'] / p['output_throughput']:.2f}x "
+            f"| {1e3 * p['ttft']['p50']:.0f} / {1e3 * p['ttft']['p99']:.0f} ms "
+            f"| {1e3 * d['ttft']['p50']:.0f} / {1e3 * d['ttft']['p99']:.0f} ms "
+            f"| {1e3 * p['tpot']['p50']:.1f} / {1e3 * d['tpot']['p50']:.1f} ms "
+            f"| {100 * pp:.1f}% / {100 * dp:.1f}% |"
+        )

