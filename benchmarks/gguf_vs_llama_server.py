@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from served import Load, bench, print_table  # noqa: E402
+from served import Load, bench, print_table, start_peer  # noqa: E402
 
-from dolmus.bench.spawn import ServerProcess, free_port, wait_healthy  # noqa: E402
+from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
 SMOLLM2 = (
     Path(__file__).resolve().parents[2]
@@ -43,16 +43,9 @@ THREADS = 2
 
 
 def _llama_server(binary: Path, model: Path, slots: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [str(binary), "-m", str(model), "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS)]
+    cmd = [str(binary), "-m", str(model), "--port", "{port}", "-t", str(THREADS), "-tb", str(THREADS)]
     cmd += ["-c", str(4096 * slots), "-np", str(slots), "-cb", "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, "llama-server")
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, f"http://127.0.0.1:{port}/v1"
+    return start_peer("llama-server", cmd, 300)
 
 
 def main() -> None:

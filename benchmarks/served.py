@@ -4,6 +4,8 @@ timed with the CPU pressure it saw, and the table of a peer's runs beside ours."
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from pressure import cpu_pressure_total  # noqa: E402
 
+from dolmus.bench.spawn import free_port, wait_healthy  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
 
 
@@ -23,6 +26,29 @@ class Load:
     concurrency: int
     requests: int
     flags: tuple[str, ...] = ()
+
+
+def start_peer(
+    name: str, cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start a peer's OpenAI-compatible server: `cmd` with "{port}" filled in with a free port;
+    return the process and its /v1 URL once /health answers (or kill it and raise)."""
+    port = free_port()
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        [part.format(port=port) for part in cmd],
+        env={**os.environ, **(env or {})},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    if log:
+        out.close()  # the child holds its own copy
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, name)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def bench(

@@ -28,7 +28,6 @@ a minute or two before it answers.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -38,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llama_body_model import llama_body_dir  # noqa: E402
-from served import Load, bench, print_table  # noqa: E402
+from served import Load, bench, print_table, start_peer  # noqa: E402
 
-from dolmus.bench.spawn import ServerProcess, free_port, wait_healthy  # noqa: E402
+from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
 THREADS = 2
 LOADS = [
@@ -57,18 +56,10 @@ LOADS = [
 
 
 def _vllm(python: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", "{port}"]
     cmd += ["--dtype", "bfloat16", "--max-model-len", "4096"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", 600, "vLLM")
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, f"http://127.0.0.1:{port}/v1"
+    return start_peer("vLLM", cmd, 600, env, log)
 
 
 def read_bandwidth(gib: float = 2.0) -> float:

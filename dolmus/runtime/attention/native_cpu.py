@@ -36,6 +36,7 @@ class NativeCPUBackend(TorchSDPABackend):
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype
             and head_dim % 16 == 0
+            and head_dim <= 256
             and q.stride(2) == 1
             and q.stride(1) == head_dim
         ):
