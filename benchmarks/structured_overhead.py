@@ -6,7 +6,7 @@ pieces), so grammar masks are computed over a full-size vocabulary. Each round d
 the same prompts unconstrained and constrained to a JSON schema, greedy, at batch 1 and
 batch 32, and compares the mean time per output token after the first (TPOT).
 
-    python benchmarks/structured_overhead.py [--rounds 2]
+    python benchmarks/structured_overhead.py [--rounds 2] [--backend llguidance|xgrammar]
 """
 
 from __future__ import annotations
@@ -84,12 +84,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--backend", default="auto", help="grammar library: auto, xgrammar or llguidance")
     args = parser.parse_args()
 
     from dolmus import LLM, SamplingParams
     from dolmus.structured import StructuredOutput
 
-    llm = LLM(model=str(byte_bpe_model_dir()), dtype="bfloat16", num_threads=THREADS)
+    llm = LLM(
+        model=str(byte_bpe_model_dir()),
+        dtype="bfloat16",
+        num_threads=THREADS,
+        structured_output_backend=args.backend,
+    )
     spec = StructuredOutput.json_schema(SCHEMA)
     llm.generate(["warm up"], SamplingParams(max_tokens=4, structured_output=spec))  # compiles the schema
     print("| batch | round | unconstrained TPOT ms | JSON-schema TPOT ms | ratio |")

@@ -120,6 +120,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="torch (gather + SDPA) or native (our C decode kernel; bf16 on AVX-512 BF16 CPUs)",
     )
     g.add_argument(
+        "--structured-output-backend",
+        choices=_choices(EngineConfig, "structured_output_backend"),
+        default=d.structured_output_backend,
+        help="grammar library: xgrammar (fastest masks; the xgrammar extra) or llguidance (a plain "
+        "install's); auto picks xgrammar where installed",
+    )
+    g.add_argument(
         "--executor",
         choices=_choices(EngineConfig, "executor"),
         default=d.executor,
@@ -129,8 +136,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.native_kernels,
-        help="our C kernels on CPU (else PyTorch's): AVX-512 ones for bf16 (int8/int4, RMSNorm, decode "
-        "attention), AVX2 ones for GGUF's block types as stored",
+        help="our C kernels on CPU (else PyTorch's and oneDNN's): AMX tiles for bf16 linears, AVX-512 ones "
+        "for bf16 (int8/int4, RMSNorm, decode attention), AVX2 ones for GGUF's block types as stored",
     )
     g.add_argument(
         "--tier-specs",

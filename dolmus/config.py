@@ -52,6 +52,7 @@ def choice(default: Any, choices: tuple[Any, ...]) -> Any:
 QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "native")  # runtime/attention's registry, plus auto
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "llguidance")  # structured/backend.py
 
 
 ADMISSION_POLICIES = ("serve", "refuse", "demote")
@@ -161,14 +162,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
-    prepack_weights: bool = True  # oneDNN-prepacked bf16 linear weights on CPU (faster GEMV)
+    # bf16 linear weights on CPU packed for the fastest kernel: AMX tile order (our kernel, with
+    # native_kernels) where the CPU has AMX, oneDNN's blocked layout elsewhere
+    prepack_weights: bool = True
     # on load: int8 | int4 | w8a8 (CPU) | fp8 (CUDA)
     quantization: str | None = choice(None, QUANTIZATIONS)
     quant_group_size: int = choice(32, (32, 64, 128))  # int4: inputs per scale
     quant_symmetric: bool = False  # int4: no zero points
     quant_lm_head: str = choice("int8", ("int8", "w8a8", "int4"))  # int4: the LM head's format
-    # our C kernels: AVX-512 ones (int8/int4, norm, decode attention) for bf16 CPU runs, AVX2
-    # ones for GGUF's block types as stored
+    # our C kernels: AMX tiles for bf16 linears, AVX-512 ones (int8/int4, norm, decode attention)
+    # for bf16 CPU runs, AVX2 ones for GGUF's block types as stored
     native_kernels: bool = True
     # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
     # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
@@ -180,6 +183,8 @@ class EngineConfig:
     attention_backend: str = choice("auto", ATTENTION_BACKENDS)
     # uni: the model runs in the engine's process; mp: in a worker process fed each step's plan
     executor: str = choice("uni", ("uni", "mp"))
+    # grammar library for structured output: auto = xgrammar where installed, else llguidance
+    structured_output_backend: str = choice("auto", STRUCTURED_OUTPUT_BACKENDS)
     # Scheduling tiers with reservations and admission rules; none: strict priority order.
     tier_specs: tuple[TierSpec, ...] = ()
     # Speculative decoding (a SpeculativeConfig or a dict of its keys); None: off.

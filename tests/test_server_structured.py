@@ -38,7 +38,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    with RemoteServer(log=tmp_path_factory.mktemp("server") / "server.log") as srv:
+    # A plain install's grammar library (the other tests here run xgrammar too)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with RemoteServer("--structured-output-backend", "llguidance", log=log) as srv:
         yield srv
 
 

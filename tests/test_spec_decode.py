@@ -158,8 +158,12 @@ def test_preemption_and_prefix_cache_with_drafts_give_the_same_output(plain: LLM
     assert small.engine.stats().prefix_cache_hits > 0
 
 
-def test_structured_output_drafts_are_checked_against_the_grammar(plain: LLM, spec: LLM):
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_structured_output_drafts_are_checked_against_the_grammar(backend: str):
     from dolmus.structured.spec import StructuredOutput
+
+    plain = LLM(structured_output_backend=backend)
+    spec = LLM(speculative_config=SPEC, structured_output_backend=backend)
 
     # A grammar that repeats itself, so prompt lookup has drafts, and the grammar has a say.
     regex = StructuredOutput.regex("(the cat sat on the mat\\. ){3}(and the dog ran\\.|and that was all\\.)")

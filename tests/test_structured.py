@@ -68,9 +68,12 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir) -> LLM:
-    return LLM(model=str(llama_dir), dtype="float32")
+BACKENDS = ("xgrammar", "llguidance")  # the xgrammar extra's, and a plain install's
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(llama_dir, request) -> LLM:
+    return LLM(model=str(llama_dir), dtype="float32", structured_output_backend=request.param)
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
@@ -119,14 +122,14 @@ def test_unconstrained_neighbours_are_untouched(llm: LLM) -> None:
             assert _valid("regex", out.outputs[0].text)
 
 
-def test_grammar_survives_preemption_chunked_prefill_and_prefix_cache(llama_dir) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grammar_survives_preemption_chunked_prefill_and_prefix_cache(llama_dir, backend: str) -> None:
     prompts = random_prompts(lengths=(40, 33, 50, 21, 45, 38), seed=5, prefix=list(range(10, 42)))
     params = SamplingParams(temperature=0.0, max_tokens=256, structured_output=SPECS["json_schema"])
-    ref = [o.outputs[0].text for o in LLM(model=str(llama_dir), dtype="float32").generate(prompts, params)]
+    kw = dict(model=str(llama_dir), dtype="float32", structured_output_backend=backend)
+    ref = [o.outputs[0].text for o in LLM(**kw).generate(prompts, params)]
     per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers * k/v * kv_heads * head_dim * fp32 * tokens
-    tight = LLM(
-        model=str(llama_dir), dtype="float32", kv_cache_memory=24 * per_block, max_num_batched_tokens=29
-    )
+    tight = LLM(**kw, kv_cache_memory=24 * per_block, max_num_batched_tokens=29)
     got = [o.outputs[0].text for o in tight.generate(prompts, params)]
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -206,3 +209,44 @@ def test_checking_the_unmasked_choice_first_equals_masking_first() -> None:
     ]
     for _ in range(20):
         assert all(allowed[i, t.token_id] for i, t in enumerate(sampler(logits, sampled, bitmask)))
+
+
+def test_auto_takes_xgrammar_where_installed_and_names_are_checked(llama_dir) -> None:
+    from dolmus.structured.backend import make_backend
+    from dolmus.structured.llguidance_backend import LLGuidanceBackend
+    from dolmus.structured.xgrammar_backend import XGrammarBackend
+
+    tokenizer = LLM(model=str(llama_dir), dtype="float32").engine.tokenizer
+    assert isinstance(make_backend("auto", tokenizer, 512, [2]), XGrammarBackend)  # the tests install it
+    assert isinstance(make_backend("llguidance", tokenizer, 512, [2]), LLGuidanceBackend)
+    with pytest.raises(ValueError, match="no grammar library named 'outlines'"):
+        make_backend("outlines", tokenizer, 512, [2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_states_take_stop_tokens_only_when_complete_and_roll_back(llama_dir, backend: str) -> None:
+    """What the engine relies on from either library: a refused token leaves the state as it
+    was, a stop token is taken only where the grammar is complete and then terminates it, and
+    rollback undoes accepted tokens, the stop token included."""
+    from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
+
+    llm = LLM(model=str(llama_dir), dtype="float32")
+    tokenizer, eos = llm.engine.tokenizer, 2
+    cache = GrammarCache(lambda: make_backend(backend, tokenizer, 512, [eos]))
+    state = cache.new_state(StructuredOutput.choice(["cat", "dog"]))
+    cat, dog = ([tokenizer.convert_tokens_to_ids(c) for c in word] for word in ("cat", "dog"))
+    assert not state.accept(eos)  # nothing chosen yet
+    assert not state.accept(tokenizer.convert_tokens_to_ids("x"))
+    for token in cat:
+        assert state.accept(token)
+    assert not state.is_terminated
+    bitmask = torch.zeros(1, bitmask_words(512), dtype=torch.int32)
+    state.fill_bitmask(bitmask, 0)
+    assert (bitmask[0, eos // 32] >> (eos % 32)) & 1  # complete: the stop token is allowed
+    assert state.accept(eos) and state.is_terminated
+    assert not state.accept(cat[0])  # nothing after the end
+    state.rollback(len(cat) + 1)
+    assert not state.is_terminated
+    for token in dog:
+        assert state.accept(token)
+    assert state.accept(eos) and state.is_terminated

@@ -42,8 +42,7 @@ from dolmus.engine.engine import EngineStats, load_tokenizer
 from dolmus.engine.output_delta import OutputAssembler
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
-from dolmus.structured.backend import GrammarCache
-from dolmus.structured.xgrammar_backend import XGrammarBackend
+from dolmus.structured.backend import GrammarCache, make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +108,8 @@ class EngineCoreClient:
             if isinstance(msg, Ready):
                 break
         self._stats = msg.stats
-        grammars = GrammarCache(lambda: XGrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_ids))
+        backend = self.config.structured_output_backend
+        grammars = GrammarCache(lambda: make_backend(backend, tokenizer, mc.vocab_size, mc.eos_token_ids))
         self.engine = FrontEnd(tokenizer, msg.max_model_len, mc, grammars)
         self._reader = asyncio.create_task(self._read())
 

@@ -30,8 +30,7 @@ from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
-from dolmus.structured.backend import GrammarCache, bitmask_words
-from dolmus.structured.xgrammar_backend import XGrammarBackend
+from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,10 @@ class Engine:
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
         self._queue_timeouts = 0
-        self.grammars = GrammarCache(lambda: XGrammarBackend(self.tokenizer, mc.vocab_size, mc.eos_token_ids))
+        backend = config.structured_output_backend
+        self.grammars = GrammarCache(
+            lambda: make_backend(backend, self.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        )
         self._structured_requests = 0
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, str] = {}  # sequence id -> user request id

@@ -10,6 +10,7 @@ engine, so the step loop only ever finds compiled grammars.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import threading
 import time
@@ -42,6 +43,27 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def new_state(self, compiled: Any) -> GrammarState: ...
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
+    """The grammar library `name` (config.STRUCTURED_OUTPUT_BACKENDS). auto: xgrammar where it
+    is installed (its masks are the fastest: the `xgrammar` extra), else llguidance (a plain
+    install's, since xgrammar brings ~1 GB of Triton that a CPU never uses)."""
+    if name == "auto":
+        name = "xgrammar" if importlib.util.find_spec("xgrammar") is not None else "llguidance"
+    if name == "xgrammar":
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(
+                "structured_output_backend xgrammar is not installed: pip install 'dolmus[xgrammar]'"
+            )
+        from dolmus.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "llguidance":
+        from dolmus.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(f"structured_output_backend: no grammar library named {name!r}")
 
 
 def bitmask_words(vocab_size: int) -> int:
