@@ -140,6 +140,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "for bf16 (int8/int4, RMSNorm, decode attention), AVX2 ones for GGUF's block types as stored",
     )
     g.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_decode,
+        help="decode-only steps as one call into our C kernels where the whole model runs on them "
+        "(the same tokens; no per-layer Python and PyTorch glue)",
+    )
+    g.add_argument(
         "--tier-specs",
         type=_tier_specs,
         default=d.tier_specs,

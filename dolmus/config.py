@@ -173,6 +173,9 @@ class EngineConfig:
     # our C kernels: AMX tiles for bf16 linears, AVX-512 ones (int8/int4, norm, decode attention)
     # for bf16 CPU runs, AVX2 ones for GGUF's block types as stored
     native_kernels: bool = True
+    # decode-only steps as one C call (runtime/models/llama_decode.py) where every part of the
+    # model runs on those kernels: the same kernels and bits, without the per-layer glue
+    fused_decode: bool = True
     # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
     # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
     # 8 rows, as llama.cpp does: faster decode, a little less accurate)

@@ -65,6 +65,19 @@ def _configs() -> dict:
         "qwen3": Qwen3Config(
             **common, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True
         ),
+        # head sizes of 32 and 64, as the fused decode step's kernels need (not in ARCHS)
+        "llama-wide": LlamaConfig(
+            **{**common, "hidden_size": 128, "intermediate_size": 256},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        "qwen2-wide": Qwen2Config(
+            **{**common, "hidden_size": 128, "intermediate_size": 256},
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        ),
         # linear rope scaling
         "mistral": MistralConfig(
             **common,

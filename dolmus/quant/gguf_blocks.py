@@ -22,10 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dolmus.quant.native import int8_group_matmul, pack_int8_groups
+from dolmus.quant.native import INT8G_MAX_KERNEL_ROWS, int8_group_matmul, pack_int8_groups
 from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
-from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, tensor_bytes
+from dolmus.runtime.layers.linear_method import (
+    LinearMethod,
+    LinearState,
+    NativeKind,
+    NativeLinear,
+    tensor_bytes,
+)
 
 BLOCK = 32  # inputs per block of codes
 # Which product runs, by rows of x (measured on SmolLM2's and Qwen2.5-0.5B's shapes): up to
@@ -160,6 +166,20 @@ class BlockQuantMethod(LinearMethod):
             y += layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        state: GroupedInt8State = layer.method_state  # type: ignore[assignment]
+        return NativeLinear(
+            NativeKind.INT8_GROUPS,
+            state.packed,
+            state.out_features,
+            layer.in_features,
+            scale=state.scale,
+            zero=state.zero,
+            bias=layer.bias,
+            group=state.group,
+            max_rows=INT8G_MAX_KERNEL_ROWS,
+        )
+
 
 def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: bool = False) -> BlockCodes:
     """The layer's parts stacked along its output rows. Parts of one form are stacked as they
@@ -221,6 +241,20 @@ class GroupedInt8Method(LinearMethod):
         if layer.bias is not None:
             y += layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        state: GroupedInt8State = layer.method_state  # type: ignore[assignment]
+        return NativeLinear(
+            NativeKind.INT8_GROUPS,
+            state.packed,
+            state.out_features,
+            layer.in_features,
+            scale=state.scale,
+            zero=state.zero,
+            bias=layer.bias,
+            group=state.group,
+            max_rows=INT8G_MAX_KERNEL_ROWS,
+        )
 
 
 def grouped_int8_available(layer: Linear, native_wanted: bool) -> bool:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dolmus.quant import native, triton_kernels
 from dolmus.quant.state import Int4State, Int8State
 from dolmus.runtime import native as runtime_native
+from dolmus.runtime.layers.linear_method import NativeKind, NativeLinear
 
 
 def device_kind(device: torch.device, dtype: torch.dtype, native_wanted: bool) -> str:
@@ -50,6 +51,10 @@ class Int8Kernel(ABC):
     @abstractmethod
     def dequantize(self, state: Int8State) -> torch.Tensor:
         """The float32 weight [N, K] the kernel computes with."""
+
+    def native_linear(self, state: Int8State, bias: torch.Tensor | None) -> NativeLinear | None:
+        """The product as the fused decode step calls it, where this kernel is one of ours."""
+        return None
 
 
 class TorchInt8(Int8Kernel):
@@ -84,6 +89,18 @@ class NativeInt8(Int8Kernel):
 
     def matmul(self, state: Int8State, x: torch.Tensor) -> torch.Tensor:
         return native.int8_matmul(x, state.codes, state.scales, state.shape[0])
+
+    def native_linear(self, state: Int8State, bias: torch.Tensor | None) -> NativeLinear | None:
+        n, k = state.shape
+        return NativeLinear(
+            NativeKind.INT8,
+            state.codes,
+            n,
+            k,
+            scale=state.scales,
+            bias=bias,
+            max_rows=native.INT8_MAX_KERNEL_ROWS,
+        )
 
     def dequantize(self, state: Int8State) -> torch.Tensor:
         n, k = state.shape
@@ -133,6 +150,10 @@ class Int4Kernel(ABC):
     def dequantize(self, state: Int4State) -> torch.Tensor:
         """The float32 weight [N, K] the kernel computes with."""
 
+    def native_linear(self, state: Int4State, bias: torch.Tensor | None) -> NativeLinear | None:
+        """The product as the fused decode step calls it, where this kernel is one of ours."""
+        return None
+
 
 class TorchInt4(Int4Kernel):
     name = "torch"
@@ -168,6 +189,19 @@ class NativeInt4(Int4Kernel):
 
     def matmul(self, state: Int4State, x: torch.Tensor) -> torch.Tensor:
         return native.int4_matmul(x, state.codes, state.scales, state.zeros, state.shape[0], state.group_size)
+
+    def native_linear(self, state: Int4State, bias: torch.Tensor | None) -> NativeLinear | None:
+        n, k = state.shape
+        return NativeLinear(
+            NativeKind.INT4,
+            state.codes,
+            n,
+            k,
+            scale=state.scales,
+            zero=state.zeros,
+            bias=bias,
+            group=state.group_size,
+        )
 
     def dequantize(self, state: Int4State) -> torch.Tensor:
         n, k = state.shape

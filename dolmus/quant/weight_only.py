@@ -33,7 +33,7 @@ from dolmus.quant.on_load import QuantizeOnLoad
 from dolmus.quant.state import Int4State, Int8State
 from dolmus.quant.w8a8 import W8A8DynamicMethod
 from dolmus.runtime.layers.linear import Linear
-from dolmus.runtime.layers.linear_method import LinearMethod
+from dolmus.runtime.layers.linear_method import LinearMethod, NativeLinear
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class _KernelMethod(QuantizeOnLoad):
     def dequantize(self, layer: Linear) -> torch.Tensor:
         state: Int8State | Int4State = layer.method_state  # type: ignore[assignment]
         return state.kernel.dequantize(state)
+
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        state: Int8State | Int4State = layer.method_state  # type: ignore[assignment]
+        return state.kernel.native_linear(state, layer.bias)  # type: ignore[arg-type]
 
 
 class Int8WeightOnlyMethod(_KernelMethod):

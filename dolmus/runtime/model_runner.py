@@ -145,6 +145,13 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.weight_bytes = module_bytes(self.model)
+        # Decode-only steps in one C call, where the whole model runs on our kernels.
+        self.fused_decoder = None
+        self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
+        if config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
+            self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, config.max_num_seqs)
+            if self.fused_decoder is None:
+                logger.info("fused decode step: off (%s)", why)
         self.sampler = Sampler(device, config.seed)
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -296,9 +303,13 @@ class ModelRunner:
         # Decodes sorted by length, so similar lengths share a padded attention group.
         decodes = sorted((x for x in scheduled if x[2] == 1), key=lambda x: x[1].num_computed_tokens)
         ordered = decodes + [x for x in scheduled if x[2] > 1]
-        input_ids, positions, meta = self._prepare([(s, n) for _, s, n in ordered], len(decodes))
-
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        fused = self.fused_decoder
+        if fused is not None and len(decodes) == len(ordered) <= fused.max_rows and not drafts:
+            hidden = self._fused_decode([seq for _, seq, _ in decodes])
+            self.fused_steps += 1
+        else:
+            input_ids, positions, meta = self._prepare([(s, n) for _, s, n in ordered], len(decodes))
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_index, rows, ids = [], [], []
         offset = 0
@@ -343,6 +354,17 @@ class ModelRunner:
                     del result.logprobs[rid][len(kept) :]
             seq.token_ids.extend(tokens)
         return result
+
+    def _fused_decode(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """The final hidden states of one new token per sequence, by the fused decode step."""
+        bs = self.block_size
+        context = [seq.num_computed_tokens for seq in seqs]
+        positions = torch.tensor(context)
+        tokens = torch.tensor([seq.token_ids[c] for seq, c in zip(seqs, context)])
+        rows = torch.tensor([seq.row for seq in seqs])
+        table = self.block_table[rows, : max(context) // bs + 1]  # a contiguous copy
+        slots = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        return self.fused_decoder.run(tokens, positions, slots, table, positions + 1)  # type: ignore[union-attr]
 
     @torch.inference_mode()
     def prompt_logits(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -39,6 +41,32 @@ class LinearState(ABC):
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class NativeKind(IntEnum):
+    """Which of our C kernels multiplies a layer (runtime/native/decode_step.c's LINEAR_*)."""
+
+    AMX_BF16 = 0  # bf16_gemm.c, bias (float32) added inside
+    INT4 = 1  # quant_kernels.c's int4 kernel
+    INT8 = 2  # its int8 kernel, a float32 scale per output row
+    INT8_GROUPS = 3  # its grouped int8 kernel (GGUF's 8-bit blocks)
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """A layer's product as the fused decode step runs it: which kernel, on the tensors the
+    method already keeps (the same call the method's `apply` makes, so the same bits)."""
+
+    kind: NativeKind
+    packed: torch.Tensor
+    n: int  # output features
+    k: int  # input features
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # AMX_BF16: float32 (in the kernel); others: bf16, added after
+    group: int = 0
+    gated: bool = False  # AMX_BF16: the product ends in SiLU(gate) * up
+    max_rows: int | None = None  # above this many rows the method takes another path
 
 
 class LinearMethod(ABC):
@@ -81,6 +109,11 @@ class LinearMethod(ABC):
         """SiLU(gate) * up of a gated layer (Linear.gated). A method may fuse the activation
         into its product; by default it applies `silu_and_mul` to the product."""
         return silu_and_mul(self.apply(layer, x))
+
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        """The layer's product as one of our C kernels computes it for the fused decode step
+        (runtime/models/llama_decode.py), or None where this method's product is not ours."""
+        return None
 
     def head_method(self) -> LinearMethod:
         """The method for the LM head (a format may keep it at higher precision)."""

@@ -18,7 +18,13 @@ import torch.nn.functional as F
 
 from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
-from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, tensor_bytes
+from dolmus.runtime.layers.linear_method import (
+    LinearMethod,
+    LinearState,
+    NativeKind,
+    NativeLinear,
+    tensor_bytes,
+)
 from dolmus.runtime.native import bf16_gemm
 
 
@@ -87,6 +93,19 @@ class UnquantizedLinearMethod(LinearMethod):
         if isinstance(state, TilePackedWeight) and state.gated:
             return bf16_gemm.matmul(x, state.packed, state.out_features, state.bias, gated=True)
         return silu_and_mul(self.apply(layer, x))
+
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        state = layer.method_state
+        if not isinstance(state, TilePackedWeight):
+            return None  # oneDNN's or PyTorch's product
+        return NativeLinear(
+            NativeKind.AMX_BF16,
+            state.packed,
+            state.out_features,
+            layer.in_features,
+            bias=state.bias,
+            gated=state.gated,
+        )
 
     @staticmethod
     def _unfused(state: TilePackedWeight, x: torch.Tensor) -> torch.Tensor:

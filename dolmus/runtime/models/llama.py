@@ -25,6 +25,7 @@ from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.ops import TORCH_OPS, LayerOps
 from dolmus.runtime.layers.rotary import RotaryEmbedding
+from dolmus.runtime.models.llama_decode import FusedDecoder, build_fused_decoder
 from dolmus.runtime.models.registry import register_architecture
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -200,6 +201,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fused_decoder(self, kv_caches: list[PagedKV], max_rows: int) -> tuple[FusedDecoder | None, str]:
+        """The decode step as one native call (llama_decode.py), or None and why not."""
+        return build_fused_decoder(self, kv_caches, max_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into place; raise naming any weight left unloaded."""

@@ -4,7 +4,9 @@
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
 - layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
   the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py);
-- bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py).
+- bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
+- decode_step.c: a whole decode step of a Llama-family model, those kernels back to back
+  (decode_step.py, runtime/models/llama_decode.py).
 
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
@@ -57,7 +59,7 @@ class _Spec:
 
 _AVX512 = _Spec(
     "dolmus-kernels",
-    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c"),
+    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c", "decode_step.c"),
     ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     {
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -77,8 +79,10 @@ _AVX512 = _Spec(
         # (x, packed, bias or NULL, y, M, N, K, gated)
         "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_amx_ready": [],
+        # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
+        "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     },
-    headers=("bf16_simd.h",),
+    headers=("bf16_simd.h", "kernels.h"),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",

@@ -1,0 +1,156 @@
+"""The Llama family's decode step as one call into C (runtime/native/decode_step.c).
+
+A step in which every sequence has one new token (no prefill chunk, no drafts) runs from the
+token ids to the final norm in one native call: the very kernels the modules call, in the
+same order with the same rounding, without the Python calls and PyTorch ops between them,
+which at one sequence of a small model cost as much as reading its weights. It is built only
+where every part of the model already runs on a kernel of ours (bf16 on AVX-512 BF16, the
+native attention backend over a plain cache, every linear layer on our AMX, int4, int8 or
+grouped int8 kernel, one tensor-parallel rank); elsewhere, and for every other step, the
+modules run. The CPU's counterpart of the decode-only CUDA graphs other engines capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dolmus.runtime import native
+from dolmus.runtime.attention.kv_store import PagedKV
+from dolmus.runtime.layers.linear import Linear
+from dolmus.runtime.layers.linear_method import NativeLinear
+from dolmus.runtime.native import decode_step
+
+if TYPE_CHECKING:
+    from dolmus.runtime.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class FusedDecoder:
+    """A model's decode step in C, for up to `max_rows` sequences."""
+
+    desc: decode_step.DecoderDesc
+    max_rows: int
+    hidden: int
+    keep: list[object] = field(default_factory=list)  # what the descriptors point into
+
+    def run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_ids: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final norm's output [rows, hidden] for one new token per sequence (int64,
+        contiguous: tokens, positions, slots, lengths [rows]; block_ids [rows, nb])."""
+        if not 0 < tokens.shape[0] <= self.max_rows:
+            raise ValueError(
+                f"a fused decode step takes 1 to {self.max_rows} sequences, not {tokens.shape[0]}"
+            )
+        out = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
+        decode_step.decode_step(self.desc, tokens, positions, slots, block_ids, lengths, out)
+        return out
+
+
+def build_fused_decoder(
+    model: LlamaForCausalLM, kv_caches: list[PagedKV], max_rows: int
+) -> tuple[FusedDecoder | None, str]:
+    """The fused decode step, or None and why not (the caller logs it)."""
+    inner, cfg = model.model, model.cfg
+    attn0 = inner.layers[0].self_attn
+    head_dim, inner_size = attn0.head_dim, inner.layers[0].mlp.size
+    why = _unsupported(model, kv_caches)
+    if why:
+        return None, why
+    linears: list[list[NativeLinear]] = []
+    for layer in inner.layers:
+        parts = [
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ]
+        found = [_native(p) for p in parts]
+        if any(f is None for f in found):
+            return None, "a linear layer runs on oneDNN's or PyTorch's product, not one of our kernels"
+        linears.append(found)  # type: ignore[arg-type]
+    limits = [lin.max_rows for row in linears for lin in row if lin.max_rows is not None]
+    rows = min([max_rows, *limits])
+
+    keep: list[object] = []
+    layer_descs = (decode_step.LayerDesc * len(inner.layers))()
+    for desc, layer, (qkv, o, gate_up, down), cache in zip(layer_descs, inner.layers, linears, kv_caches):
+        attn = layer.self_attn
+        desc.input_norm = layer.input_layernorm.weight.data_ptr()
+        desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        desc.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+        desc.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+        desc.qkv, desc.o = decode_step.linear_desc(qkv), decode_step.linear_desc(o)
+        desc.gate_up, desc.down = decode_step.linear_desc(gate_up), decode_step.linear_desc(down)
+        desc.k_cache, desc.v_cache = cache.data[0].data_ptr(), cache.data[1].data_ptr()
+        keep += [qkv, o, gate_up, down, cache]
+    keep.append(layer_descs)
+
+    hidden = cfg.hidden_size
+    width = (attn0.num_heads + 2 * attn0.num_kv_heads) * head_dim
+    scratch = {
+        "residual": hidden,
+        "normed": hidden,
+        "qkv": width,
+        "attn": attn0.num_heads * head_dim,
+        "gate_up": 2 * inner_size,
+        "act": inner_size,
+        "delta": hidden,
+    }
+    buffers = {name: torch.empty(rows, cols, dtype=torch.bfloat16) for name, cols in scratch.items()}
+    keep += list(buffers.values())
+    desc = decode_step.DecoderDesc(
+        num_layers=len(inner.layers),
+        hidden=hidden,
+        heads=attn0.num_heads,
+        kv_heads=attn0.num_kv_heads,
+        head_dim=head_dim,
+        inner=inner_size,
+        block_size=kv_caches[0].block_size,
+        eps=inner.norm.eps,
+        scale=attn0.scale,
+        layers=layer_descs,
+        embed=inner.embed_tokens.weight.data_ptr(),
+        final_norm=inner.norm.weight.data_ptr(),
+        cos=inner.rotary.cos.data_ptr(),
+        sin=inner.rotary.sin.data_ptr(),
+        **{name: t.data_ptr() for name, t in buffers.items()},
+    )
+    keep.append(model)  # its weights, norms, embedding and rotary tables
+    return FusedDecoder(desc, rows, hidden, keep), ""
+
+
+def _native(linear: Linear) -> NativeLinear | None:
+    if linear.reduce_output:
+        return None
+    return linear.method.native_linear(linear)
+
+
+def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKV]) -> str:
+    """Why the fused step cannot reproduce the modules here ("" if it can)."""
+    inner, cfg = model.model, model.cfg
+    attn0, mlp0 = inner.layers[0].self_attn, inner.layers[0].mlp
+    if native.library() is None:
+        return "our AVX-512 BF16 kernels do not run here"
+    if inner.embed_tokens.weight.dtype != torch.bfloat16:
+        return "the model does not run in bf16"
+    if any(type(c) is not PagedKV or c.data.dtype != torch.bfloat16 for c in kv_caches):
+        return "the KV cache is quantized"
+    if attn0.qkv_proj.parallel.tp_size != 1:
+        return "tensor parallel"
+    if attn0.backend.name != "native":
+        return f"the {attn0.backend.name} attention backend"
+    # the shapes each kernel takes (layer_kernels.c); the modules fall back to PyTorch otherwise
+    if cfg.hidden_size % 16 or attn0.head_dim % 32 or attn0.head_dim > 256 or mlp0.size % 16:
+        return "hidden, head or MLP sizes our kernels do not take"
+    if attn0.ops.name != "native":
+        return "native kernels are off"
+    return ""

@@ -1,0 +1,135 @@
+/* One decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) in one call: every
+ * sequence of the batch has one new token; from the token ids to the final norm's output.
+ *
+ * The module path makes the same kernel calls (layer_kernels.c, quant_kernels.c,
+ * bf16_gemm.c) with a few dozen PyTorch ops and Python calls around them per layer: at one
+ * sequence of a small model that glue costs as much as the weight reads. Here the same
+ * kernels run back to back on scratch buffers the caller allocated once, and the elementwise
+ * steps between them round to bf16 exactly where PyTorch's bf16 ops do, so the hidden states
+ * are bit for bit the module path's (runtime/decode_program.py builds the descriptors, and
+ * the tests compare the two).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "bf16_simd.h"
+#include "kernels.h"
+
+/* Which kernel multiplies a linear layer (decode_program.py's LinearKind). */
+enum { LINEAR_AMX_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT8_GROUPS = 3 };
+
+typedef struct {
+    int64_t kind;
+    const void *packed; /* the weight in its kernel's layout */
+    const void *scale;  /* int4, grouped int8: bf16 [K / group][Npad]; int8: float32 [Npad] */
+    const void *zero;   /* int4, grouped int8: as scale, or NULL */
+    const void *bias;   /* AMX: float32, added in the kernel; others: bf16, added after; or NULL */
+    int64_t n, k, group;
+    int64_t gated; /* AMX only: the product ends in SiLU(gate) * up, [M][n / 2] */
+} dolmus_linear;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* [hidden] */
+    const uint16_t *q_norm, *k_norm;        /* [head_dim] (Qwen3), or NULL */
+    dolmus_linear qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache; /* [slots][kv_heads][head_dim] */
+} dolmus_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
+    float eps, scale;
+    const dolmus_layer *layers;
+    const uint16_t *embed;        /* [vocab][hidden] */
+    const uint16_t *final_norm;   /* [hidden] */
+    const uint16_t *cos, *sin;    /* [positions][head_dim] */
+    /* scratch, each for the most rows the caller runs */
+    uint16_t *residual;           /* [rows][hidden] */
+    uint16_t *normed;             /* [rows][hidden] */
+    uint16_t *qkv;                /* [rows][(heads + 2 kv_heads) head_dim] */
+    uint16_t *attn;               /* [rows][heads head_dim] */
+    uint16_t *gate_up;            /* [rows][2 inner] */
+    uint16_t *act;                /* [rows][inner] */
+    uint16_t *delta;              /* [rows][hidden] */
+} dolmus_decoder;
+
+/* y = bf16(y + b) per row: PyTorch's bf16 add. n % 16 tail handled with masks. */
+static void add_rows(uint16_t *y, const uint16_t *b, int64_t rows, int64_t n, int64_t b_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *yr = y + r * n;
+        const uint16_t *br = b + r * b_stride;
+        int64_t c = 0;
+        for (; c + 16 <= n; c += 16) store_bf16x16(yr + c, _mm512_add_ps(load_bf16x16(yr + c), load_bf16x16(br + c)));
+        for (; c < n; c++) {
+            union { uint32_t u; float f; } a = {(uint32_t)yr[c] << 16}, d = {(uint32_t)br[c] << 16};
+            __m128 s = _mm_set_ss(a.f + d.f);
+            yr[c] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(s), 0);
+        }
+    }
+}
+
+static void linear(const dolmus_linear *l, const uint16_t *x, uint16_t *y, int64_t m) {
+    switch (l->kind) {
+    case LINEAR_AMX_BF16:
+        dolmus_bf16_gemm_amx(x, l->packed, l->bias, y, m, l->n, l->k, l->gated);
+        return; /* its bias is added in float32 inside, as the module path's */
+    case LINEAR_INT4:
+        dolmus_int4_gemm(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+        break;
+    case LINEAR_INT8:
+        dolmus_int8_gemm(x, l->packed, l->scale, y, m, l->n, l->k);
+        break;
+    default:
+        dolmus_int8g_gemm(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+    }
+    if (l->bias) add_rows(y, l->bias, m, l->n, 0);
+}
+
+/* The MLP's SiLU(gate) * up into act: fused in the AMX product, else the product then the
+ * kernel that the module path calls. */
+static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_t *x, int64_t rows) {
+    if (l->kind == LINEAR_AMX_BF16 && l->gated) {
+        linear(l, x, m->act, rows);
+        return;
+    }
+    linear(l, x, m->gate_up, rows);
+    dolmus_silu_and_mul(m->gate_up, m->act, rows, m->inner);
+}
+
+/* tokens [rows]: the new token of each sequence; positions [rows]; slots [rows]: where its
+ * key and value go; block_ids [rows][nb] and lengths [rows] (positions + 1): what it attends
+ * to. out [rows][hidden]: the final norm's output, for the LM head. */
+void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
+                        const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
+                        uint16_t *out) {
+    const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
+    const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
+    for (int64_t t = 0; t < rows; t++)
+        memcpy(m->residual + t * hidden, m->embed + tokens[t] * hidden, sizeof(uint16_t) * (size_t)hidden);
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const dolmus_layer *L = m->layers + i;
+        dolmus_rms_norm(m->residual, L->input_norm, m->normed, rows, hidden, m->eps);
+        linear(&L->qkv, m->normed, m->qkv, rows);
+        for (int64_t t = 0; t < rows; t++) {
+            uint16_t *row = m->qkv + t * width;
+            if (L->q_norm) { /* in place: each row's statistics are read before it is written */
+                dolmus_rms_norm(row, L->q_norm, row, hq, d, m->eps);
+                dolmus_rms_norm(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
+            }
+            const int64_t p = positions[t];
+            dolmus_rotary(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
+            size_t bytes = sizeof(uint16_t) * (size_t)kv_size;
+            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, bytes);
+            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, bytes);
+        }
+        dolmus_decode_attention(m->qkv, width, L->k_cache, L->v_cache, block_ids, nb, lengths, m->attn, rows,
+                                hq, hkv, d, m->block_size, m->scale);
+        linear(&L->o, m->attn, m->delta, rows);
+        add_rows(m->residual, m->delta, rows, hidden, hidden);
+        dolmus_rms_norm(m->residual, L->post_norm, m->normed, rows, hidden, m->eps);
+        gated(m, &L->gate_up, m->normed, rows);
+        linear(&L->down, m->act, m->delta, rows);
+        add_rows(m->residual, m->delta, rows, hidden, hidden);
+    }
+    dolmus_rms_norm(m->residual, m->final_norm, out, rows, hidden, m->eps);
+}

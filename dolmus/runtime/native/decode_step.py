@@ -1,0 +1,100 @@
+"""Python face of decode_step.c: its descriptor structs, filled from tensors, and the call.
+
+The structs hold raw pointers: whoever builds them keeps the tensors alive (FusedDecoder in
+runtime/models/llama_decode.py holds the model and its scratch buffers)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dolmus.runtime.layers.linear_method import NativeLinear
+from dolmus.runtime.native import library
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class LinearDesc(ctypes.Structure):
+    _fields_ = [
+        ("kind", _i64),
+        ("packed", _p),
+        ("scale", _p),
+        ("zero", _p),
+        ("bias", _p),
+        ("n", _i64),
+        ("k", _i64),
+        ("group", _i64),
+        ("gated", _i64),
+    ]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _p),
+        ("post_norm", _p),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        ("qkv", LinearDesc),
+        ("o", LinearDesc),
+        ("gate_up", LinearDesc),
+        ("down", LinearDesc),
+        ("k_cache", _p),
+        ("v_cache", _p),
+    ]
+
+
+class DecoderDesc(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, _i64)
+            for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner", "block_size")
+        ),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("layers", ctypes.POINTER(LayerDesc)),
+        *((name, _p) for name in ("embed", "final_norm", "cos", "sin")),
+        *((name, _p) for name in ("residual", "normed", "qkv", "attn", "gate_up", "act", "delta")),
+    ]
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def linear_desc(linear: NativeLinear) -> LinearDesc:
+    return LinearDesc(
+        int(linear.kind),
+        ptr(linear.packed),
+        ptr(linear.scale),
+        ptr(linear.zero),
+        ptr(linear.bias),
+        linear.n,
+        linear.k,
+        linear.group,
+        int(linear.gated),
+    )
+
+
+def decode_step(
+    decoder: DecoderDesc,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Run the step: tokens, positions, slots, lengths [rows] and block_ids [rows, nb], all
+    int64 and contiguous; out [rows, hidden] gets the final norm's output."""
+    library().dolmus_decode_step(
+        ctypes.addressof(decoder),
+        tokens.shape[0],
+        tokens.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        block_ids.data_ptr(),
+        block_ids.shape[1],
+        lengths.data_ptr(),
+        out.data_ptr(),
+    )

@@ -1,0 +1,26 @@
+/* The kernels of the AVX-512 library that decode_step.c calls (defined in layer_kernels.c,
+ * quant_kernels.c and bf16_gemm.c). */
+#ifndef DOLMUS_KERNELS_H
+#define DOLMUS_KERNELS_H
+
+#include <stdint.h>
+
+void dolmus_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t cols,
+                     float eps);
+void dolmus_rotary(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin, int64_t tokens,
+                   int64_t heads, int64_t d);
+void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
+                             const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
+                             int64_t d, int64_t bs, float scale);
+void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols);
+void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K);
+void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                      uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
+void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
+void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, int64_t gated);
+
+#endif

@@ -1,0 +1,84 @@
+"""The fused decode step (runtime/models/llama_decode.py, runtime/native/decode_step.c): the
+same tokens and the same log-probabilities as the modules, bit for bit, on every kernel it
+calls, and the modules wherever it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build_model_dir
+
+from dolmus import LLM, SamplingParams
+from dolmus.runtime import native as native_build
+from helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(
+    not native_build.cpu_supported() or native_build.find_compiler() is None,
+    reason="the fused decode step needs an x86-64 CPU with AVX-512 BF16 and a C compiler",
+)
+
+# prompts of different lengths: steps mixing prefill chunks and decodes (the modules), then
+# decode-only steps of 1 to 6 sequences (the fused step)
+PROMPTS = random_prompts((3, 40, 9, 17, 70, 5), seed=11)
+
+
+def _outputs(llm: LLM) -> list[tuple[list[int], list[dict]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide", "qwen3"])
+def test_fused_decode_gives_the_modules_bits(model_root, arch: str, quantization: str | None) -> None:
+    """GQA and MQA, q/k/v bias with a tied head (Qwen2), q/k norms (Qwen3); bf16 weights on
+    AMX tiles, int8 and int4 weights on their kernels."""
+    folder = build_model_dir(arch, model_root)
+    kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    assert modules.engine.runner.fused_decoder is None
+    if quantization is None and not native_build.amx_ready():
+        # bf16 weights run on oneDNN without AMX: not a kernel the fused step calls
+        assert fused.engine.runner.fused_decoder is None
+    else:
+        assert fused.engine.runner.fused_decoder is not None
+    assert _outputs(fused) == _outputs(modules)
+    assert fused.engine.runner.fused_steps >= (0 if fused.engine.runner.fused_decoder is None else 15)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_fused_decode_runs_gguf_blocks_as_the_modules_do(tmp_path, model_root, kind: str) -> None:
+    """Q4_1 codes on the int4 kernel, Q8_0 blocks on the grouped int8 kernel."""
+    from dolmus.cli import main
+
+    out = tmp_path / f"{kind}.gguf"
+    src = build_model_dir("llama-wide", model_root)
+    assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", kind]) == 0
+    fused, modules = (
+        LLM(model=str(out), dtype="bfloat16"),
+        LLM(model=str(out), dtype="bfloat16", fused_decode=False),
+    )
+    assert fused.engine.runner.fused_decoder is not None
+    assert _outputs(fused) == _outputs(modules)
+    assert fused.engine.runner.fused_steps >= 15
+
+
+@pytest.mark.parametrize(
+    "setting", [{"kv_cache_dtype": "int8"}, {"attention_backend": "torch"}, {"native_kernels": False}]
+)
+def test_the_modules_run_where_the_fused_step_cannot(model_root, setting: dict) -> None:
+    folder = build_model_dir("llama-wide", model_root)
+    llm = LLM(model=str(folder), dtype="bfloat16", quantization="int8", **setting)
+    assert llm.engine.runner.fused_decoder is None
+    assert all(len(tokens) == 20 for tokens, _ in _outputs(llm))
+
+
+def test_batches_past_the_kernels_row_limit_take_the_modules(model_root) -> None:
+    """int8 weights above 128 rows are dequantized for PyTorch's GEMM: decode steps of more
+    sequences run the modules, with the same tokens as the modules throughout."""
+    folder = build_model_dir("llama-wide", model_root)
+    kw = dict(model=str(folder), dtype="bfloat16", quantization="int8", max_num_seqs=160)
+    fused = LLM(**kw)
+    assert fused.engine.runner.fused_decoder.max_rows == 128
+    prompts = random_prompts([4 + i % 7 for i in range(140)], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    assert tokens == [o.outputs[0].token_ids for o in LLM(**kw, fused_decode=False).generate(prompts, params)]
