@@ -177,7 +177,7 @@ class BlockQuantMethod(LinearMethod):
             zero=state.zero,
             bias=layer.bias,
             group=state.group,
-            max_rows=INT8G_MAX_KERNEL_ROWS,
+            max_rows=None if native.amx_ready() else INT8G_MAX_KERNEL_ROWS,
         )
 
 
@@ -253,7 +253,7 @@ class GroupedInt8Method(LinearMethod):
             zero=state.zero,
             bias=layer.bias,
             group=state.group,
-            max_rows=INT8G_MAX_KERNEL_ROWS,
+            max_rows=None if native.amx_ready() else INT8G_MAX_KERNEL_ROWS,
         )
 
 

@@ -5,6 +5,8 @@
 - layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
   the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py);
 - bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
+- quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
+  quant_kernels.c's products);
 - decode_step.c: a whole decode step of a Llama-family model, those kernels back to back
   (decode_step.py, runtime/models/llama_decode.py).
 
@@ -59,7 +61,7 @@ class _Spec:
 
 _AVX512 = _Spec(
     "dolmus-kernels",
-    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c", "decode_step.c"),
+    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c", "quant_amx.c", "decode_step.c"),
     ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     {
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -79,10 +81,13 @@ _AVX512 = _Spec(
         # (x, packed, bias or NULL, y, M, N, K, gated)
         "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_amx_ready": [],
+        # (x, packed, scale, zero or NULL, y, M, N, K, group, bits 4 | 8)
+        "dolmus_quant_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+        "dolmus_amx_quant_usable": [_i64, _i64],
         # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     },
-    headers=("bf16_simd.h", "kernels.h"),
+    headers=("bf16_simd.h", "kernels.h", "amx_panel.h"),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
@@ -104,7 +109,7 @@ _AVX2 = _Spec(
     },
 )
 LIBRARIES = (_AVX512, _AVX2)
-_RETURNS = {"dolmus_amx_ready": ctypes.c_int}  # every other kernel returns nothing
+_RETURNS = {"dolmus_amx_ready": ctypes.c_int, "dolmus_amx_quant_usable": ctypes.c_int}  # every other kernel returns nothing
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

@@ -1,5 +1,5 @@
-/* The kernels of the AVX-512 library that decode_step.c calls (defined in layer_kernels.c,
- * quant_kernels.c and bf16_gemm.c). */
+/* The kernels of the AVX-512 library that its sources call in each other (defined in
+ * layer_kernels.c, quant_kernels.c, bf16_gemm.c and quant_amx.c). */
 #ifndef DOLMUS_KERNELS_H
 #define DOLMUS_KERNELS_H
 
@@ -22,5 +22,9 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int64_t gated);
+int dolmus_amx_ready(void);
+int dolmus_amx_quant_usable(int64_t M, int64_t K);
+void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t *scale, const uint16_t *zero,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t bits);
 
 #endif

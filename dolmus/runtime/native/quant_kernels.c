@@ -28,6 +28,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #define MR 4 /* activation rows per pass over a block: codes are unpacked once per pass */
 
 static inline __m512 bf16_broadcast(const uint16_t *p) {
@@ -125,6 +127,10 @@ static float *group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group)
 void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
                       const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
                       int64_t group) {
+    if (dolmus_amx_quant_usable(M, K)) { /* several rows: dequantized tiles on AMX (quant_amx.c) */
+        dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 4);
+        return;
+    }
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = group_sums(x, M, K, group);
     if (!xsum) return;
@@ -176,6 +182,10 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
  * (codes are exact in bf16), then times the scale, plus the zero times sum x. */
 void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group) {
+    if (dolmus_amx_quant_usable(M, K)) { /* several rows: dequantized tiles on AMX (quant_amx.c) */
+        dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 8);
+        return;
+    }
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = NULL; /* the zeros' term: zero * sum x per group */
     if (zero && !(xsum = group_sums(x, M, K, group))) return;

@@ -1,0 +1,148 @@
+/* int4 and grouped int8 weights (quant_kernels.c's layouts) times several activation rows on
+ * AMX tiles.
+ *
+ * quant_kernels.c's products multiply every weight with every row through AVX-512 BF16 dot
+ * products: at one row that streams at the read bandwidth, but the work grows with the rows
+ * (SmolLM2-135M's layers take 4.6x as long at 8 rows as at 1 and 17x at 32). Here each panel
+ * of 32 outputs is dequantized once per call into bf16 B tiles (amx_panel.h's layout, a few
+ * KB held in cache: w = (q - 8) * scale + zero for int4, q * scale + zero for int8, each
+ * rounded once to bf16, as the int8 prefill path's dequantized weights are), and AMX multiplies
+ * all the rows with it: the cost of a call barely grows with the rows. The callers
+ * (dolmus_int4_gemm, dolmus_int8g_gemm) take this path from AMX_MIN_ROWS rows where the CPU
+ * lets this process use AMX, with K a multiple of 32.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "amx_panel.h"
+#include "bf16_simd.h"
+#include "kernels.h"
+
+/* From this many rows the tile path is the faster (measured on SmolLM2-135M's layers). */
+#define AMX_MIN_ROWS 4
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+/* Two 16-lane float vectors (the weights of inputs 2p and 2p + 1 of 16 outputs) -> one tile
+ * row: lane o holds the bf16 pair (even[o], odd[o]), each rounded to nearest even. */
+static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+/* Panel (block b, half s) of an int4 weight: outputs 64 b + 32 s + 16 h + o, for all K. Byte
+ * 16 l + 8 h + 2 i + e of a pair's 64 holds output 32 s + 16 h + 4 l + i, input e (nibble s):
+ * in-lane unpacking against zero gives, per h, the 16 outputs' pairs in lane order. */
+static void int4_panel(const uint8_t *block, const uint16_t *scale, const uint16_t *zero, int64_t npad,
+                       int64_t n0, int64_t K, int64_t group, int s, uint16_t *buf) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), zero_byte = _mm512_setzero_si512();
+    const __m512i low_word = _mm512_set1_epi32(0xFFFF);
+    __m512 sc[2], zc[2];
+    int64_t current = -1;
+    for (int64_t p = 0; p < K / 2; p++) {
+        int64_t g = 2 * p / group;
+        if (g != current) {
+            current = g;
+            for (int h = 0; h < 2; h++) {
+                sc[h] = load_bf16x16(scale + g * npad + n0 + 16 * h);
+                zc[h] = zero ? load_bf16x16(zero + g * npad + n0 + 16 * h) : _mm512_setzero_ps();
+                zc[h] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc[h], zc[h]); /* (q - 8) s + z = q s + (z - 8 s) */
+            }
+        }
+        __m512i bytes = _mm512_loadu_si512((const void *)(block + p * 64));
+        __m512i q = _mm512_and_si512(s ? _mm512_srli_epi16(bytes, 4) : bytes, nibble);
+        for (int h = 0; h < 2; h++) {
+            /* 16-bit lanes: (q[o][2p], q[o][2p + 1]) for the 16 outputs of h */
+            __m512i words = h ? _mm512_unpackhi_epi8(q, zero_byte) : _mm512_unpacklo_epi8(q, zero_byte);
+            __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(words, low_word));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(words, 16));
+            even = _mm512_fmadd_ps(even, sc[h], zc[h]);
+            odd = _mm512_fmadd_ps(odd, sc[h], zc[h]);
+            int64_t kb = p / 16, j = p % 16;
+            _mm512_store_si512((void *)(buf + (kb * 2 + h) * TILE + j * 32), bf16_pairs(even, odd));
+        }
+    }
+}
+
+/* Panel (block b, half s) of a grouped int8 weight: codes [K][64] per block, input k's codes
+ * of outputs 32 s + 16 h + o at 32 s + 16 h + o. */
+static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16_t *zero, int64_t npad,
+                        int64_t n0, int64_t K, int64_t group, int s, uint16_t *buf) {
+    __m512 sc[2], zc[2];
+    int64_t current = -1;
+    for (int64_t p = 0; p < K / 2; p++) {
+        int64_t g = 2 * p / group;
+        if (g != current) {
+            current = g;
+            for (int h = 0; h < 2; h++) {
+                sc[h] = load_bf16x16(scale + g * npad + n0 + 16 * h);
+                zc[h] = zero ? load_bf16x16(zero + g * npad + n0 + 16 * h) : _mm512_setzero_ps();
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const int8_t *c = block + 2 * p * 64 + 32 * s + 16 * h;
+            __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 64))));
+            even = _mm512_fmadd_ps(even, sc[h], zc[h]);
+            odd = _mm512_fmadd_ps(odd, sc[h], zc[h]);
+            int64_t kb = p / 16, j = p % 16;
+            _mm512_store_si512((void *)(buf + (kb * 2 + h) * TILE + j * 32), bf16_pairs(even, odd));
+        }
+    }
+}
+
+/* Whether tiles may be used here, asked once (dolmus_amx_ready: the kernel's permission). */
+int dolmus_amx_quant_usable(int64_t M, int64_t K) {
+    static int usable = -1;
+    if (usable < 0) usable = dolmus_amx_ready();
+    return usable && M >= AMX_MIN_ROWS && K % KSTEP == 0;
+}
+
+/* y[M][N] = x[M][K] times the weight; bits 4 (int4 layout, blocks [K / 2][64] bytes) or 8
+ * (grouped int8, blocks [K][64]); scale, zero [K / group][Npad] bf16, zero may be NULL. */
+void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t *scale, const uint16_t *zero,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t bits) {
+    int64_t blocks = (N + 63) / 64, npad = blocks * 64, steps = K / KSTEP;
+    uint16_t *copy;
+    if (!(x = tile_rows(x, M, K, &copy))) return;
+#pragma omp parallel
+    {
+        uint16_t *buf = aligned_alloc(64, (size_t)steps * 2 * TILE * sizeof(uint16_t));
+        if (buf) {
+            configure(M < 16 ? (int)M : 16);
+#pragma omp for schedule(static)
+            for (int64_t panel = 0; panel < 2 * blocks; panel++) {
+                int64_t b = panel / 2, n0 = panel * PANEL;
+                int s = (int)(panel % 2);
+                if (n0 >= N) continue;
+                if (bits == 4)
+                    int4_panel((const uint8_t *)packed + b * (K / 2) * 64, scale, zero, npad, n0, K, group, s, buf);
+                else
+                    int8g_panel((const int8_t *)packed + b * K * 64, scale, zero, npad, n0, K, group, s, buf);
+                panel_product(buf, steps, x, M, NULL, y, N, n0, N, 0, 0);
+            }
+            _tile_release();
+            free(buf);
+        }
+    }
+    free(copy);
+}
+
+#else
+
+int dolmus_amx_quant_usable(int64_t M, int64_t K) {
+    (void)M, (void)K;
+    return 0;
+}
+
+void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t *scale, const uint16_t *zero,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t bits) {
+    (void)x, (void)packed, (void)scale, (void)zero, (void)y, (void)M, (void)N, (void)K, (void)group, (void)bits;
+    abort(); /* never called: dolmus_amx_quant_usable() said no */
+}
+
+#endif
