@@ -109,7 +109,8 @@ _AVX2 = _Spec(
     },
 )
 LIBRARIES = (_AVX512, _AVX2)
-_RETURNS = {"dolmus_amx_ready": ctypes.c_int, "dolmus_amx_quant_usable": ctypes.c_int}  # every other kernel returns nothing
+# every other kernel returns nothing
+_RETURNS = {"dolmus_amx_ready": ctypes.c_int, "dolmus_amx_quant_usable": ctypes.c_int}
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
