@@ -6,7 +6,7 @@
  * sequence of a small model that glue costs as much as the weight reads. Here the same
  * kernels run back to back on scratch buffers the caller allocated once, and the elementwise
  * steps between them round to bf16 exactly where PyTorch's bf16 ops do, so the hidden states
- * are bit for bit the module path's (runtime/decode_program.py builds the descriptors, and
+ * are bit for bit the module path's (runtime/models/llama_decode.py builds the descriptors, and
  * the tests compare the two).
  */
 #include <stdint.h>
@@ -16,7 +16,7 @@
 #include "bf16_simd.h"
 #include "kernels.h"
 
-/* Which kernel multiplies a linear layer (decode_program.py's LinearKind). */
+/* Which kernel multiplies a linear layer (layers/linear_method.py's NativeKind). */
 enum { LINEAR_AMX_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT8_GROUPS = 3 };
 
 typedef struct {
