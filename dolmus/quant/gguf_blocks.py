@@ -166,20 +166,6 @@ class BlockQuantMethod(LinearMethod):
             y += layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
-    def native_linear(self, layer: Linear) -> NativeLinear | None:
-        state: GroupedInt8State = layer.method_state  # type: ignore[assignment]
-        return NativeLinear(
-            NativeKind.INT8_GROUPS,
-            state.packed,
-            state.out_features,
-            layer.in_features,
-            scale=state.scale,
-            zero=state.zero,
-            bias=layer.bias,
-            group=state.group,
-            max_rows=None if native.amx_ready() else INT8G_MAX_KERNEL_ROWS,
-        )
-
 
 def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: bool = False) -> BlockCodes:
     """The layer's parts stacked along its output rows. Parts of one form are stacked as they

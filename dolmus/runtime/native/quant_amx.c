@@ -34,6 +34,15 @@ static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
+/* The scales and zeros of group g for outputs n0 + 16 h + o, h < 2, as floats. */
+static inline void group_vectors(const uint16_t *scale, const uint16_t *zero, int64_t g, int64_t npad,
+                                 int64_t n0, __m512 sc[2], __m512 zc[2]) {
+    for (int h = 0; h < 2; h++) {
+        sc[h] = load_bf16x16(scale + g * npad + n0 + 16 * h);
+        zc[h] = zero ? load_bf16x16(zero + g * npad + n0 + 16 * h) : _mm512_setzero_ps();
+    }
+}
+
 /* Panel (block b, half s) of an int4 weight: outputs 64 b + 32 s + 16 h + o, for all K. Byte
  * 16 l + 8 h + 2 i + e of a pair's 64 holds output 32 s + 16 h + 4 l + i, input e (nibble s):
  * in-lane unpacking against zero gives, per h, the 16 outputs' pairs in lane order. */
@@ -47,11 +56,9 @@ static void int4_panel(const uint8_t *block, const uint16_t *scale, const uint16
         int64_t g = 2 * p / group;
         if (g != current) {
             current = g;
-            for (int h = 0; h < 2; h++) {
-                sc[h] = load_bf16x16(scale + g * npad + n0 + 16 * h);
-                zc[h] = zero ? load_bf16x16(zero + g * npad + n0 + 16 * h) : _mm512_setzero_ps();
-                zc[h] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc[h], zc[h]); /* (q - 8) s + z = q s + (z - 8 s) */
-            }
+            group_vectors(scale, zero, g, npad, n0, sc, zc);
+            for (int h = 0; h < 2; h++) /* (q - 8) s + z = q s + (z - 8 s) */
+                zc[h] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc[h], zc[h]);
         }
         __m512i bytes = _mm512_loadu_si512((const void *)(block + p * 64));
         __m512i q = _mm512_and_si512(s ? _mm512_srli_epi16(bytes, 4) : bytes, nibble);
@@ -78,10 +85,7 @@ static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16
         int64_t g = 2 * p / group;
         if (g != current) {
             current = g;
-            for (int h = 0; h < 2; h++) {
-                sc[h] = load_bf16x16(scale + g * npad + n0 + 16 * h);
-                zc[h] = zero ? load_bf16x16(zero + g * npad + n0 + 16 * h) : _mm512_setzero_ps();
-            }
+            group_vectors(scale, zero, g, npad, n0, sc, zc);
         }
         for (int h = 0; h < 2; h++) {
             const int8_t *c = block + 2 * p * 64 + 32 * s + 16 * h;
