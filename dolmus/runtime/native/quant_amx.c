@@ -34,6 +34,13 @@ static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
+/* Tile row j = p % 16 of step p / 16, tile h, of the panel buffer: the weights q s + z of
+ * inputs 2p (even) and 2p + 1 (odd) of 16 outputs, as bf16 pairs. */
+static inline void put_pair_row(uint16_t *buf, int64_t p, int h, __m512 even, __m512 odd, __m512 s, __m512 z) {
+    __m512i row = bf16_pairs(_mm512_fmadd_ps(even, s, z), _mm512_fmadd_ps(odd, s, z));
+    _mm512_store_si512((void *)(buf + (p / 16 * 2 + h) * TILE + p % 16 * 32), row);
+}
+
 /* The scales and zeros of group g for outputs n0 + 16 h + o, h < 2, as floats. */
 static inline void group_vectors(const uint16_t *scale, const uint16_t *zero, int64_t g, int64_t npad,
                                  int64_t n0, __m512 sc[2], __m512 zc[2]) {
@@ -67,10 +74,7 @@ static void int4_panel(const uint8_t *block, const uint16_t *scale, const uint16
             __m512i words = h ? _mm512_unpackhi_epi8(q, zero_byte) : _mm512_unpacklo_epi8(q, zero_byte);
             __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(words, low_word));
             __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(words, 16));
-            even = _mm512_fmadd_ps(even, sc[h], zc[h]);
-            odd = _mm512_fmadd_ps(odd, sc[h], zc[h]);
-            int64_t kb = p / 16, j = p % 16;
-            _mm512_store_si512((void *)(buf + (kb * 2 + h) * TILE + j * 32), bf16_pairs(even, odd));
+            put_pair_row(buf, p, h, even, odd, sc[h], zc[h]);
         }
     }
 }
@@ -91,10 +95,7 @@ static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16
             const int8_t *c = block + 2 * p * 64 + 32 * s + 16 * h;
             __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
             __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 64))));
-            even = _mm512_fmadd_ps(even, sc[h], zc[h]);
-            odd = _mm512_fmadd_ps(odd, sc[h], zc[h]);
-            int64_t kb = p / 16, j = p % 16;
-            _mm512_store_si512((void *)(buf + (kb * 2 + h) * TILE + j * 32), bf16_pairs(even, odd));
+            put_pair_row(buf, p, h, even, odd, sc[h], zc[h]);
         }
     }
 }
