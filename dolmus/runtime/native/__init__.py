@@ -87,7 +87,7 @@ _AVX512 = _Spec(
         # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     },
-    headers=("bf16_simd.h", "kernels.h", "amx_panel.h"),
+    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h"),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",

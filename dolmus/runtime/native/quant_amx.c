@@ -20,6 +20,7 @@
 #include "amx_panel.h"
 #include "bf16_simd.h"
 #include "kernels.h"
+#include "prefetch.h"
 
 /* From this many rows the tile path is the faster (measured on SmolLM2-135M's layers). */
 #define AMX_MIN_ROWS 4
@@ -67,6 +68,7 @@ static void int4_panel(const uint8_t *block, const uint16_t *scale, const uint16
             for (int h = 0; h < 2; h++) /* (q - 8) s + z = q s + (z - 8 s) */
                 zc[h] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc[h], zc[h]);
         }
+        if (!s) prefetch_stream(block + p * 64, 1); /* the second half re-reads it from cache */
         __m512i bytes = _mm512_loadu_si512((const void *)(block + p * 64));
         __m512i q = _mm512_and_si512(s ? _mm512_srli_epi16(bytes, 4) : bytes, nibble);
         for (int h = 0; h < 2; h++) {
@@ -91,6 +93,7 @@ static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16
             current = g;
             group_vectors(scale, zero, g, npad, n0, sc, zc);
         }
+        if (!s) prefetch_stream(block + 2 * p * 64, 2);
         for (int h = 0; h < 2; h++) {
             const int8_t *c = block + 2 * p * 64 + 32 * s + 16 * h;
             __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));

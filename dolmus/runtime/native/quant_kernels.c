@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "prefetch.h"
 
 #define MR 4 /* activation rows per pass over a block: codes are unpacked once per pass */
 
@@ -89,6 +90,7 @@ void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scal
                 for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += 2) {
                 const int8_t *c = pb + k * 64;
+                prefetch_stream(c, 2);
                 __m512bh w[4];
                 for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
                 for (int i = 0; i < MR && i < rows; i++) {
@@ -148,6 +150,7 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
                     for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
                 for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
                     __m512bh w[4];
+                    prefetch_stream(pb + (k / 2) * 64, 1);
                     nibbles_to_bf16_pairs(pb + (k / 2) * 64, w);
                     for (int i = 0; i < MR && i < rows; i++) {
                         int32_t pair;
@@ -203,6 +206,7 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
                     for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
                 for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
                     const int8_t *c = pb + k * 64;
+                    prefetch_stream(c, 2);
                     __m512bh w[4];
                     for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
                     for (int i = 0; i < MR && i < rows; i++) {

@@ -1,0 +1,28 @@
+/* Software prefetch for the weight streams of the AVX-512 kernels (quant_kernels.c,
+ * quant_amx.c, and the bf16 tile panels of amx_panel.h).
+ *
+ * A weight block is one sequential stream, yet on the machines here the hardware prefetchers
+ * alone kept it at ~9 GB/s from DRAM against ~30 GB/s of read bandwidth: each byte costs the
+ * kernels a few instructions, so too few lines are in flight, and the L2 streamer stops at
+ * every 4 KB page. Asking for each line twice, far ahead into L2 and nearer into L1, measured
+ * ~20 GB/s at one row on a Qwen2.5-0.5B-shaped Q8_0 body (24 layers, 380 MB, out of cache;
+ * int4 7.4 -> 17.5 GB/s), and the bf16 body's decode went from 35.8 to 37.6 tok/s against one
+ * near T0 prefetch; the distances were swept (1-64 KB far, 1-8 KB near) and these were the best. Prefetches
+ * past the end of a block land in the next block, usually the same thread's next one. */
+#ifndef DOLMUS_PREFETCH_H
+#define DOLMUS_PREFETCH_H
+
+#include <immintrin.h>
+
+#define PREFETCH_FAR 16384
+#define PREFETCH_NEAR 4096
+
+/* The `lines` cache lines from `at` are about to be read: ask for the lines that far ahead. */
+static inline void prefetch_stream(const void *at, int lines) {
+    for (int i = 0; i < lines; i++) {
+        _mm_prefetch((const char *)at + PREFETCH_FAR + 64 * i, _MM_HINT_T1);
+        _mm_prefetch((const char *)at + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
+    }
+}
+
+#endif
