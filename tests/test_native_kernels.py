@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
 
-# Rows: the kernels (incl. a partial pass of 4) and, for int8, the dequantizing path.
-ROWS = (1, 3, 5, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
+# Rows: the dot-product kernels (incl. a partial pass of 4), on AMX the int4 few-rows path
+# (5-16: one A tile) and the dequantized panels (17+), and for int8 the dequantizing path.
+ROWS = (1, 3, 5, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
 # Shapes: outputs not a multiple of the 64-row block, short and long inputs.
 SHAPES = ((100, 64), (64, 128), (200, 896), (72, 1152))
 

@@ -49,4 +49,17 @@ static inline __m512 silu_and_mul_ps(__m512 gate, __m512 up) {
     return _mm512_mul_ps(round_to_bf16(silu), up);
 }
 
+/* The 64 bytes of one pair of inputs (k, k + 1) of a block -> 4 vectors of 16 lanes, lane i of
+ * vector v holding the bf16 pair (128 + q[16v + i][k], 128 + q[16v + i][k + 1]). Nibbles are
+ * split with two ANDs and a shift, and 0x43 is interleaved in as every bf16's high byte. */
+static inline void nibbles_to_bf16_pairs(const uint8_t *c, __m512bh w[4]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high_byte = _mm512_set1_epi8(0x43);
+    __m512i b = _mm512_loadu_si512((const void *)c);
+    __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+    w[0] = (__m512bh)_mm512_unpacklo_epi8(lo, high_byte);
+    w[1] = (__m512bh)_mm512_unpackhi_epi8(lo, high_byte);
+    w[2] = (__m512bh)_mm512_unpacklo_epi8(hi, high_byte);
+    w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, high_byte);
+}
+
 #endif

@@ -10,7 +10,7 @@
  *   int8: P[b][k][j]  = q[64b + j][k]                              (int8, j < 64)
  *   int4: P[b][p][.]  = 64 bytes holding q[64b + o][2p + e] for o < 64, e < 2: output
  *         o = 32s + 16h + 4l + i in byte 16l + 8h + 2i + e, low nibble for s = 0, high for 1
- *         (the order AVX-512's in-lane byte interleave produces; see nibbles_to_bf16_pairs)
+ *         (the order AVX-512's in-lane byte interleave produces; see nibbles_to_bf16_pairs in bf16_simd.h)
  *
  * y[m][n] = sum_k x[m][k] w[n][k], activations and outputs in bf16, sums in float32:
  *   int8: w = q * scale[n]
@@ -28,6 +28,7 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "bf16_simd.h"
 #include "kernels.h"
 #include "prefetch.h"
 
@@ -52,19 +53,6 @@ static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
 
 static inline __m512 int8x16_to_ps(const int8_t *c) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
-}
-
-/* The 64 bytes of one pair of inputs (k, k + 1) of a block -> 4 vectors of 16 lanes, lane i of
- * vector v holding the bf16 pair (128 + q[16v + i][k], 128 + q[16v + i][k + 1]). Nibbles are
- * split with two ANDs and a shift, and 0x43 is interleaved in as every bf16's high byte. */
-static inline void nibbles_to_bf16_pairs(const uint8_t *c, __m512bh w[4]) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), high_byte = _mm512_set1_epi8(0x43);
-    __m512i b = _mm512_loadu_si512((const void *)c);
-    __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
-    w[0] = (__m512bh)_mm512_unpacklo_epi8(lo, high_byte);
-    w[1] = (__m512bh)_mm512_unpackhi_epi8(lo, high_byte);
-    w[2] = (__m512bh)_mm512_unpacklo_epi8(hi, high_byte);
-    w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, high_byte);
 }
 
 /* Inputs k and k + 1 of 16 outputs (two 16-byte runs of int8 codes) -> 16 lanes of bf16 pairs.
@@ -111,7 +99,7 @@ void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scal
 }
 
 /* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
-static float *group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
+float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
     int64_t groups = K / group;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (!xsum) return NULL;
@@ -134,7 +122,7 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
         return;
     }
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
-    float *xsum = group_sums(x, M, K, group);
+    float *xsum = dolmus_group_sums(x, M, K, group);
     if (!xsum) return;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -191,7 +179,7 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
     }
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = NULL; /* the zeros' term: zero * sum x per group */
-    if (zero && !(xsum = group_sums(x, M, K, group))) return;
+    if (zero && !(xsum = dolmus_group_sums(x, M, K, group))) return;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *pb = packed + b * K * 64;
