@@ -26,8 +26,11 @@ the AVX-512 flags on, and say so.) Then:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,6 +43,43 @@ SMOLLM2 = (
     / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 )
 THREADS = 2
+# Greedy continuations compared between the two servers (same file, same tokenizer).
+PROMPTS = (
+    "Once upon a time, there was a little girl named Lily. She",
+    "The cat sat on the mat and looked at the",
+    "What is the capital of France? The capital of France is",
+    "Tom and his dog went to the park. They",
+)
+GREEDY_TOKENS = 48
+
+
+def _greedy_texts(base_url: str) -> list[str]:
+    """Each prompt's greedy continuation through /v1/completions."""
+    base_url = base_url.removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as resp:
+        model = json.load(resp)["data"][0]["id"]
+    texts = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0.0}
+        req = urllib.request.Request(
+            f"{base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            texts.append(json.load(resp)["choices"][0]["text"])
+    return texts
+
+
+def _print_agreement(peer: list[str], ours: list[str]) -> None:
+    """How far each greedy continuation agrees, in characters (the arithmetic differs: llama.cpp
+    multiplies int8-rounded activations, we bf16 ones, so long continuations may part)."""
+    same = 0
+    for prompt, a, b in zip(PROMPTS, peer, ours):
+        common = len(os.path.commonprefix([a, b]))
+        same += a == b
+        print(f"  {prompt!r}: {common}/{max(len(a), len(b))} characters agree")
+        if a != b:
+            print(f"    llama-server: {a!r}\n    dolmus:       {b!r}")
+    print(f"greedy text: {same}/{len(PROMPTS)} continuations of {GREEDY_TOKENS} tokens identical")
 
 
 def _llama_server(binary: Path, model: Path, slots: int) -> tuple[subprocess.Popen, str]:
@@ -65,6 +105,7 @@ def main() -> None:
     ]
     model = str(args.model)
     runs: dict[str, list[tuple[dict, float]]] = {}
+    texts: dict[str, list[str]] = {}
     for name in ("llama-server", "dolmus"):
         print(f"\n=== {name} ===", flush=True)
         if name == "dolmus":
@@ -76,6 +117,7 @@ def main() -> None:
             proc, base_url = _llama_server(args.llama_server, args.model, max(x.concurrency for x in loads))
             stop = proc.terminate
         try:
+            texts[name] = _greedy_texts(base_url)
             for load in loads:
                 out = args.out / name / f"c{load.concurrency}"
                 runs.setdefault(name, []).append(
@@ -91,6 +133,7 @@ def main() -> None:
         "greedy, ignore_eos"
     )
     print_table("llama-server", loads, runs)
+    _print_agreement(texts["llama-server"], texts["dolmus"])
 
 
 if __name__ == "__main__":
