@@ -62,4 +62,16 @@ static inline void nibbles_to_bf16_pairs(const uint8_t *c, __m512bh w[4]) {
     w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, high_byte);
 }
 
+static inline __m512 int8x16_to_ps(const int8_t *c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* Inputs k and k + 1 of 16 outputs (two 16-byte runs of int8 codes) -> 16 lanes of bf16 pairs.
+ * Codes are small integers, exact in bf16: a float's top 16 bits are its bf16 bits. */
+static inline __m512bh int8_pairs_to_bf16(const int8_t *ck, const int8_t *ck1) {
+    __m512i a = _mm512_castps_si512(int8x16_to_ps(ck)), b = _mm512_castps_si512(int8x16_to_ps(ck1));
+    /* imm 0xE4 = (A & C) | (B & ~C): high words from b, low words from a >> 16 */
+    return (__m512bh)_mm512_ternarylogic_epi32(b, _mm512_srli_epi32(a, 16), _mm512_set1_epi32((int)0xFFFF0000), 0xE4);
+}
+
 #endif

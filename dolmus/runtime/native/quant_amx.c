@@ -25,7 +25,7 @@
 /* From this many rows the tile path is the faster (at 4 rows the dot-product kernels, one pass
  * over each block, were 1.2-1.4x faster on a 0.5B body out of cache once they prefetched). */
 #define AMX_MIN_ROWS 5
-/* Up to this many rows, int4 weights take int4_rows_block (one A tile). */
+/* Up to this many rows, weights grouped by multiples of 32 take rows_block (one A tile). */
 #define ROWS_PATH_MAX 16
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -106,18 +106,21 @@ static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16
     }
 }
 
-/* Up to 16 rows of an int4 weight, block b (outputs n0 = 64 b ..), groups of a multiple of 32
- * inputs. Dequantizing panels costs arithmetic per weight; here the codes become the bf16
- * numbers 128 + q by byte shuffles alone (nibbles_to_bf16_pairs: the pairs of 16 outputs are a
- * B tile row as they come), AMX sums each group into float tiles, and the group's scale and
- * zero are applied to those sums, once per (row, output, group):
- *   sum x w = s (sum x (128 + q) - 136 sum x) + z sum x     (w = (q - 8) s + z)
- * which is quant_kernels.c's one-row arithmetic. bbuf: 4 tiles (4 KB, 64-byte aligned). */
-static void int4_rows_block(const uint8_t *block, const uint16_t *scale, const uint16_t *zero, int64_t npad,
-                            int64_t n0, int64_t K, int64_t group, const uint16_t *x, int64_t M,
-                            const float *xsum, uint16_t *y, int64_t N, uint16_t *bbuf) {
+/* Up to 16 rows of a weight, block b (outputs n0 = 64 b ..), groups of a multiple of 32 inputs.
+ * Dequantizing panels costs arithmetic per weight; here the codes become exact bf16 numbers,
+ * for int4 by byte shuffles alone (nibbles_to_bf16_pairs: 128 + q, the pairs of 16 outputs are
+ * a B tile row as they come), for int8 by a conversion without a multiply; AMX sums each group
+ * into float tiles, and the group's scale and zero are applied to those sums, once per (row,
+ * output, group), as quant_kernels.c's one-row kernels do:
+ *   int4: sum x w = s (sum x (128 + q) - 136 sum x) + z sum x     (w = (q - 8) s + z)
+ *   int8: sum x w = s sum x q + z sum x                            (w = q s + z)
+ * bbuf: 4 tiles (4 KB, 64-byte aligned). */
+static void rows_block(const void *block, int bits, const uint16_t *scale, const uint16_t *zero, int64_t npad,
+                       int64_t n0, int64_t K, int64_t group, const uint16_t *x, int64_t M, const float *xsum,
+                       uint16_t *y, int64_t N, uint16_t *bbuf) {
     float total[16][64], sums[16 * 16];
     int64_t groups = K / group, per_group = group / KSTEP;
+    float offset = bits == 4 ? 136.0f : 0.0f;
     memset(total, 0, sizeof total);
     for (int64_t g = 0; g < groups; g++) {
         _tile_zero(0);
@@ -126,10 +129,17 @@ static void int4_rows_block(const uint8_t *block, const uint16_t *scale, const u
         _tile_zero(3);
         for (int64_t kb = g * per_group; kb < (g + 1) * per_group; kb++) {
             for (int p = 0; p < KSTEP / 2; p++) { /* tile row p: inputs kb * 32 + 2p, + 1 */
-                const uint8_t *c = block + (kb * KSTEP / 2 + p) * 64;
-                prefetch_stream(c, 1);
+                int64_t pair = kb * KSTEP / 2 + p;
                 __m512bh w[4];
-                nibbles_to_bf16_pairs(c, w);
+                if (bits == 4) {
+                    const uint8_t *c = (const uint8_t *)block + pair * 64;
+                    prefetch_stream(c, 1);
+                    nibbles_to_bf16_pairs(c, w);
+                } else {
+                    const int8_t *c = (const int8_t *)block + pair * 128;
+                    prefetch_stream(c, 2);
+                    for (int t = 0; t < 4; t++) w[t] = int8_pairs_to_bf16(c + 16 * t, c + 64 + 16 * t);
+                }
                 for (int t = 0; t < 4; t++) _mm512_store_si512((void *)(bbuf + t * TILE + p * 32), (__m512i)w[t]);
             }
             _tile_loadd(4, x + kb * KSTEP, K * (int64_t)sizeof(uint16_t));
@@ -152,8 +162,8 @@ static void int4_rows_block(const uint8_t *block, const uint16_t *scale, const u
             __m512 s = load_bf16x16(scale + g * npad + n0 + 16 * t);
             __m512 z = zero ? load_bf16x16(zero + g * npad + n0 + 16 * t) : _mm512_setzero_ps();
             for (int64_t m = 0; m < M; m++) {
-                __m512 xs = _mm512_set1_ps(xsum[m * groups + g]);
-                __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, _mm512_loadu_ps(sums + m * 16));
+                __m512 xs = _mm512_set1_ps(xsum ? xsum[m * groups + g] : 0.0f);
+                __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(offset), xs, _mm512_loadu_ps(sums + m * 16));
                 __m512 acc = _mm512_loadu_ps(&total[m][16 * t]);
                 _mm512_storeu_ps(&total[m][16 * t], _mm512_fmadd_ps(dot, s, _mm512_fmadd_ps(xs, z, acc)));
             }
@@ -163,8 +173,8 @@ static void int4_rows_block(const uint8_t *block, const uint16_t *scale, const u
         for (int t = 0; t < 4; t++) store_row(y + m * N + n0 + 16 * t, &total[m][16 * t], NULL, N - n0 - 16 * t);
 }
 
-/* Whether an int4 product takes int4_rows_block: few rows, whole tile steps per group. */
-static int int4_rows_path(int64_t M, int64_t group) { return M <= ROWS_PATH_MAX && group % KSTEP == 0; }
+/* Whether a product takes rows_block: few rows, whole tile steps per group. */
+static int rows_path(int64_t M, int64_t group) { return M <= ROWS_PATH_MAX && group % KSTEP == 0; }
 
 /* Whether tiles may be used here, asked once (dolmus_amx_ready: the kernel's permission). */
 int dolmus_amx_quant_usable(int64_t M, int64_t K) {
@@ -179,9 +189,9 @@ void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t bits) {
     int64_t blocks = (N + 63) / 64, npad = blocks * 64, steps = K / KSTEP;
     uint16_t *copy;
-    if (bits == 4 && int4_rows_path(M, group)) { /* K % 32 == 0 and M <= 16: x is as tiles read it */
-        float *xsum = dolmus_group_sums(x, M, K, group);
-        if (!xsum) return;
+    if (rows_path(M, group)) { /* K % 32 == 0 and M <= 16: x is as tiles read it */
+        float *xsum = NULL;     /* sum x per group: for int4's offset and for zeros */
+        if ((bits == 4 || zero) && !(xsum = dolmus_group_sums(x, M, K, group))) return;
 #pragma omp parallel
         {
             uint16_t *bbuf = aligned_alloc(64, 4 * TILE * sizeof(uint16_t));
@@ -189,8 +199,8 @@ void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t
                 configure((int)M);
 #pragma omp for schedule(static)
                 for (int64_t b = 0; b < blocks; b++)
-                    int4_rows_block((const uint8_t *)packed + b * (K / 2) * 64, scale, zero, npad, 64 * b, K, group,
-                                    x, M, xsum, y, N, bbuf);
+                    rows_block((const uint8_t *)packed + b * K * bits * 8, (int)bits, scale, zero, npad, 64 * b, K,
+                               group, x, M, xsum, y, N, bbuf);
                 _tile_release();
                 free(bbuf);
             }
