@@ -7,9 +7,10 @@
  * of 32 outputs is dequantized once per call into bf16 B tiles (amx_panel.h's layout, a few
  * KB held in cache: w = (q - 8) * scale + zero for int4, q * scale + zero for int8, each
  * rounded once to bf16, as the int8 prefill path's dequantized weights are), and AMX multiplies
- * all the rows with it: the cost of a call barely grows with the rows. The callers
- * (dolmus_int4_gemm, dolmus_int8g_gemm) take this path from AMX_MIN_ROWS rows where the CPU
- * lets this process use AMX, with K a multiple of 32.
+ * all the rows with it: the cost of a call barely grows with the rows. Up to 16 rows, weights
+ * grouped by multiples of 32 skip the dequantizing instead (rows_block: group sums on tiles,
+ * scaled after). The callers (dolmus_int4_gemm, dolmus_int8g_gemm) take these paths from
+ * AMX_MIN_ROWS rows where the CPU lets this process use AMX, with K a multiple of 32.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -118,7 +119,7 @@ static void int8g_panel(const int8_t *block, const uint16_t *scale, const uint16
 static void rows_block(const void *block, int bits, const uint16_t *scale, const uint16_t *zero, int64_t npad,
                        int64_t n0, int64_t K, int64_t group, const uint16_t *x, int64_t M, const float *xsum,
                        uint16_t *y, int64_t N, uint16_t *bbuf) {
-    float total[16][64], sums[16 * 16];
+    float total[16][64], sums[4][16 * 16];
     int64_t groups = K / group, per_group = group / KSTEP;
     float offset = bits == 4 ? 136.0f : 0.0f;
     memset(total, 0, sizeof total);
@@ -152,18 +153,16 @@ static void rows_block(const void *block, int bits, const uint16_t *scale, const
             _tile_loadd(7, bbuf + 3 * TILE, 64);
             _tile_dpbf16ps(3, 4, 7);
         }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
         for (int t = 0; t < 4; t++) {
-            switch (t) { /* tile numbers must be constants */
-            case 0: _tile_stored(0, sums, 64); break;
-            case 1: _tile_stored(1, sums, 64); break;
-            case 2: _tile_stored(2, sums, 64); break;
-            default: _tile_stored(3, sums, 64); break;
-            }
             __m512 s = load_bf16x16(scale + g * npad + n0 + 16 * t);
             __m512 z = zero ? load_bf16x16(zero + g * npad + n0 + 16 * t) : _mm512_setzero_ps();
             for (int64_t m = 0; m < M; m++) {
                 __m512 xs = _mm512_set1_ps(xsum ? xsum[m * groups + g] : 0.0f);
-                __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(offset), xs, _mm512_loadu_ps(sums + m * 16));
+                __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(offset), xs, _mm512_loadu_ps(sums[t] + m * 16));
                 __m512 acc = _mm512_loadu_ps(&total[m][16 * t]);
                 _mm512_storeu_ps(&total[m][16 * t], _mm512_fmadd_ps(dot, s, _mm512_fmadd_ps(xs, z, acc)));
             }
