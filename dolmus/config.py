@@ -117,6 +117,10 @@ class SpeculativeConfig:
     # Speculation is off in steps with more running requests than this (there the step is
     # bound by compute, and verifying drafts only adds work); None: never off.
     disable_by_batch_size: int | None = None
+    # Drafts only while the step times measured on this machine say they raise a step's
+    # expected tokens per second (so a busy server turns speculation off by itself); False:
+    # every decode gets a window as long as its acceptance rate's share of the maximum.
+    adaptive: bool = True
     # suffix: finished requests whose outputs are kept to draft from (least recently used go)
     suffix_decoding_max_cached_requests: int = 10_000
 

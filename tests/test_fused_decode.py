@@ -82,3 +82,21 @@ def test_batches_past_the_kernels_row_limit_take_the_modules(model_root) -> None
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
     assert tokens == [o.outputs[0].token_ids for o in LLM(**kw, fused_decode=False).generate(prompts, params)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+def test_speculative_windows_run_fused_with_the_modules_bits(model_root, quantization: str | None) -> None:
+    """A decode and its drafts are rows at successive positions of one fused step: the tokens
+    and log-probabilities of the modules (which lay the window out the same way). Suffix
+    decoding drafts the second pass over the prompts from the first pass's outputs, so
+    windows of several rows are accepted whatever the random model says."""
+    folder = build_model_dir("llama-wide", model_root)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+    kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization, speculative_config=spec)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    if fused.engine.runner.fused_decoder is None:
+        pytest.skip("bf16 weights run on oneDNN without AMX here")
+    outputs = [_outputs(llm) + _outputs(llm) for llm in (fused, modules)]
+    assert outputs[0] == outputs[1]
+    assert fused.engine.stats().spec_num_accepted_tokens >= 40
+    assert fused.engine.runner.fused_steps >= 15

@@ -201,7 +201,7 @@ def test_grouped_int8_kernel_multiplies_as_the_decoded_weight(type_name) -> None
     codes, decoded = _quantized(type_name, n, k, seed=5)
     packed, scale, zero = pack_int8_groups(codes.values(), codes.scale, codes.minimum)
     gen = torch.Generator().manual_seed(6)
-    for m in (1, 2, 3, 4, 5, 9, 16, 17, INT8G_MAX_KERNEL_ROWS + 1):  # on AMX: 5-16 rows, panels
+    for m in (1, 2, 3, 4, 5, 9, 16, 17, INT8G_MAX_KERNEL_ROWS + 1):  # on AMX: int4 from 2 rows, int8 from 3 (groups of 32), panels
         x = torch.randn(m, k, generator=gen).bfloat16()
         y = int8_group_matmul(x, packed, scale, zero, n, codes.group).float()
         exact = x.double() @ decoded.double().T

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 # Rows: the dot-product kernels (incl. a partial pass of 4), on AMX the int4 few-rows path
 # (5-16: one A tile) and the dequantized panels (17+), and for int8 the dequantizing path.
-ROWS = (1, 3, 5, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
+ROWS = (1, 2, 3, 4, 5, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
 # Shapes: outputs not a multiple of the 64-row block, short and long inputs.
 SHAPES = ((100, 64), (64, 128), (200, 896), (72, 1152))
 

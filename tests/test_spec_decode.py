@@ -16,7 +16,9 @@ PROMPTS = [
     "Tom had a red ball. Tom had a red",
     "One day, Lily went to the park",
 ]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# Drafts in every step they can go in, whatever the step times say: the tests of the mechanics
+# count drafts, and this machine's timings must not decide whether there are any.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 
 # -- verification --------------------------------------------------------------------------
@@ -83,6 +85,8 @@ def test_greedy_output_is_identical_and_drafts_are_accepted(plain: LLM, spec: LL
     params = SamplingParams(max_tokens=96, temperature=0)
     before = spec.engine.stats()
     assert _tokens(spec, params) == _tokens(plain, params)
+    # the default, drafting where the measured step costs say it pays: the same tokens
+    assert _tokens(LLM(speculative_config={"method": "ngram"}), params) == _tokens(plain, params)
     after = spec.engine.stats()
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
@@ -168,7 +172,11 @@ def test_structured_output_drafts_are_checked_against_the_grammar(backend: str):
     # A grammar that repeats itself, so prompt lookup has drafts, and the grammar has a say.
     regex = StructuredOutput.regex("(the cat sat on the mat\\. ){3}(and the dog ran\\.|and that was all\\.)")
     schema = StructuredOutput.json_schema(
-        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+            "required": ["a", "b"],
+        }
     )
     before = spec.engine.stats().spec_num_drafts
     for structured in (regex, schema, StructuredOutput.choice(["cat", "dog"])):
@@ -259,7 +267,11 @@ def test_served_with_a_speculative_config_flag(plain: LLM, tmp_path):
         details = got.usage.completion_tokens_details  # this request's drafts, as OpenAI names them
         assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
         m = server.metrics()
-        assert 0 < m["dolmus:spec_decode_num_accepted_tokens_total"] <= m["dolmus:spec_decode_num_draft_tokens_total"]
+        assert (
+            0
+            < m["dolmus:spec_decode_num_accepted_tokens_total"]
+            <= m["dolmus:spec_decode_num_draft_tokens_total"]
+        )
         assert m['dolmus:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
 
 
@@ -340,3 +352,67 @@ def test_suffix_decoding_speeds_up_repeated_requests_without_changing_them(plain
     accepted = warm.spec_num_accepted_tokens - cold.spec_num_accepted_tokens
     assert drafted > 0 and accepted >= 0.75 * drafted
     assert warm.spec_num_accepted_tokens - cold.spec_num_accepted_tokens > cold.spec_num_accepted_tokens
+
+
+# -- how many drafts a step carries ------------------------------------------------------------
+
+
+def _costs(seconds_of):
+    from dolmus.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for n in (1, 2, 4, 8, 9, 12, 16, 24, 32, 40, 64):
+        costs.observe(n, seconds_of(n))
+    return costs
+
+
+def test_step_costs_interpolate_between_measured_sizes():
+    from dolmus.spec.policy import StepCosts
+
+    costs = StepCosts()
+    assert costs.estimate(4) is None
+    costs.observe(2, 0.010)
+    costs.observe(6, 0.030)
+    assert costs.estimate(1) == 0.010 and costs.estimate(6) == 0.030
+    assert costs.estimate(3) == pytest.approx(0.015)
+    assert costs.estimate(7) is None  # past what was measured
+    costs.observe(6, 0.040)  # a moving average, not the latest alone
+    assert 0.030 < costs.estimate(6) < 0.040
+
+
+def test_drafts_go_where_a_step_is_bound_by_reading_weights_and_not_where_by_compute():
+    from dolmus.spec.policy import draft_length
+
+    weights_bound = _costs(lambda n: 0.020 + 0.0002 * n)  # a few rows cost what one does
+    compute_bound = _costs(lambda n: 0.001 * n)  # every row costs as much as the others
+    assert draft_length(weights_bound, 1, 1.0, 0.6, 4, 2) == 4
+    assert draft_length(weights_bound, 32, 32.0, 0.6, 4, 2) in (1, 2, 3, 4)
+    assert draft_length(compute_bound, 1, 1.0, 0.9, 4, 2) == 0
+    assert draft_length(compute_bound, 32, 32.0, 0.9, 4, 2) == 0
+    assert draft_length(weights_bound, 1, 1.0, 0.0, 4, 2) == 0  # drafts that are never accepted
+    assert draft_length(weights_bound, 64, 64.0, 0.9, 4, 2) == 2  # a size never measured: the fallback
+    assert draft_length(weights_bound, 1, 1.0, 0.9, 0, 2) == 0
+
+
+def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
+    """Eight decodes whose steps cost as much per token as they carry get no drafts; the
+    same decodes on steps that cost what one row does get full windows."""
+    from dolmus.engine.kv_cache import KVCacheManager
+    from dolmus.engine.request import Request
+    from dolmus.engine.scheduler import Scheduler
+    from dolmus.step import StepResult
+
+    def windows(seconds_of) -> list[int]:
+        kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
+        sched = Scheduler(kv, 8, 256, 500, speculative=SpeculativeConfig(num_speculative_tokens=4))
+        for i in range(8):
+            params = SamplingParams(max_tokens=100, ignore_eos=True)
+            sched.add(Request(f"r{i}", [1, 2, 3] * 5, params, [0], 100))
+        out = sched.schedule()  # the prefills
+        sched.update(out, StepResult({item.request.request_id: [1] for item in out.scheduled}))
+        sched.step_costs = _costs(seconds_of)
+        out = sched.schedule()
+        return [len(item.drafts) for item in out.scheduled]
+
+    assert windows(lambda n: 0.001 * n) == [0] * 8
+    assert windows(lambda n: 0.020 + 0.0001 * n) == [4] * 8

@@ -25,16 +25,20 @@ from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
+from dolmus.spec.policy import StepCosts, draft_length
 from dolmus.spec.proposer import Proposer, make_proposer
 from dolmus.structured.backend import GrammarState
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
-# Weight of the latest step in a request's moving average of accepted drafts: its next draft
-# length is that share of num_speculative_tokens (at least one), so requests whose drafts
-# keep failing stop paying for long windows and ones that copy their input get full ones.
+# Weight of the latest window in a request's moving average of its drafts' acceptance (the
+# chance a draft is accepted when the ones before it were): requests whose drafts keep
+# failing stop paying for long windows and ones that copy their input get full ones.
 _ACCEPTANCE_EMA = 0.5
+# Every this many steps the drafts go out whatever the measured costs say, so a size whose
+# cost was measured in a disturbed step gets measured again.
+_EXPLORE_EVERY = 64
 
 
 @dataclass
@@ -103,6 +107,12 @@ class Scheduler:
         self.proposer: Proposer | None = make_proposer(speculative) if speculative is not None else None
         k = speculative.num_speculative_tokens if speculative is not None else 0
         self.spec_stats = SpecStats(accepted_per_position=[0] * k)
+        self.step_costs = StepCosts()  # what the engine measured steps of each size to take
+        self._steps_drafted = 0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine's timing of a step of `num_tokens` (drafts included)."""
+        self.step_costs.observe(num_tokens, seconds)
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -223,11 +233,16 @@ class Scheduler:
         return SchedulerOutput(self._plan(out_list, preempted), out_list, preempted)
 
     def _add_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
-        """Give decodes this step the drafts the budget has room for, most urgent first."""
+        """Give decodes this step the drafts the budget has room for, most urgent first, as
+        long as the measured step costs say they raise the step's tokens per second."""
         spec = self.speculative
         assert spec is not None and self.proposer is not None
         if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
             return
+        num_tokens = sum(item.num_new_tokens for item in scheduled.values())
+        expected_yield = float(sum(item.samples for item in scheduled.values()))
+        self._steps_drafted += 1
+        measured = spec.adaptive and self._steps_drafted % _EXPLORE_EVERY
         for item in scheduled.values():
             if budget <= 0:
                 break
@@ -235,12 +250,20 @@ class Scheduler:
             if item.num_new_tokens != 1 or not item.samples:
                 continue
             room = min(
-                max(1, round(spec.num_speculative_tokens * r.draft_acceptance)),  # adaptive length
+                spec.num_speculative_tokens,
                 budget,
                 r.max_tokens - r.num_output_tokens - 1,  # the step yields drafts + 1 at most
                 self.max_model_len - r.num_tokens,  # every draft's KV needs a position
             )
             room = min(room, self.book.allowance(r, budget))
+            # a share of the window as long as the request's acceptance
+            scaled = min(room, max(1, round(spec.num_speculative_tokens * r.draft_acceptance)))
+            if measured:
+                room = draft_length(
+                    self.step_costs, num_tokens, expected_yield, r.draft_acceptance, room, scaled
+                )
+            else:
+                room = scaled
             if room <= 0:
                 continue
             drafts = self.proposer.propose(r.all_token_ids, room)
@@ -252,6 +275,8 @@ class Scheduler:
             item.num_new_tokens = 1 + len(drafts)
             self.book.spend(r, len(drafts))
             budget -= len(drafts)
+            num_tokens += len(drafts)
+            expected_yield += sum(r.draft_acceptance**d for d in range(1, len(drafts) + 1))
 
     def _memory_victim(self, i: int) -> Request:
         """Whom running[i] preempts for blocks: the least urgent, latest request after it that
@@ -369,7 +394,10 @@ class Scheduler:
         r = item.request
         r.num_draft_tokens += len(item.drafts)
         r.num_accepted_tokens += accepted
-        r.draft_acceptance += _ACCEPTANCE_EMA * (accepted / len(item.drafts) - r.draft_acceptance)
+        # Drafts are checked in order up to the first rejection: the ones checked are the
+        # accepted ones plus that one, if any.
+        checked = accepted + (accepted < len(item.drafts))
+        r.draft_acceptance += _ACCEPTANCE_EMA * (accepted / checked - r.draft_acceptance)
         stats = self.spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(item.drafts)

@@ -145,11 +145,14 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.weight_bytes = module_bytes(self.model)
-        # Decode-only steps in one C call, where the whole model runs on our kernels.
+        # Decode-only steps (drafts included: one row per position) in one C call, where the
+        # whole model runs on our kernels.
         self.fused_decoder = None
         self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
         if config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
-            self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, config.max_num_seqs)
+            spec = config.speculative_config
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, rows)
             if self.fused_decoder is None:
                 logger.info("fused decode step: off (%s)", why)
         self.sampler = Sampler(device, config.seed)
@@ -296,35 +299,54 @@ class ModelRunner:
         self._apply_diff(plan)
         if plan.empty:
             return StepResult()
-        scheduled = [(rid, self.sequences[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         drafts = plan.draft_token_ids
         for rid, found in drafts.items():  # computed like the request's own tokens, then checked
             self.sequences[rid].token_ids.extend(found)
+        # A decode and its drafts become rows of one token each, at successive positions: the
+        # step writes every row's key and value before any row attends, so the row at position
+        # p sees the drafts before it in the cache, and a window verifies as decodes do (the
+        # decode attention kernel, the fused step) instead of as a short prefill chunk.
+        scheduled = [(rid, self.sequences[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        decodes: list[tuple[str, _Sequence, int]] = []  # (request, its copy, context before the row)
+        chunks: list[tuple[str, _Sequence, int]] = []  # (request, its copy, tokens in the chunk)
+        for rid, seq, n in scheduled:
+            if n == 1 + len(drafts.get(rid, ())):
+                decodes.extend((rid, seq, seq.num_computed_tokens + i) for i in range(n))
+            else:
+                chunks.append((rid, seq, n))
         # Decodes sorted by length, so similar lengths share a padded attention group.
-        decodes = sorted((x for x in scheduled if x[2] == 1), key=lambda x: x[1].num_computed_tokens)
-        ordered = decodes + [x for x in scheduled if x[2] > 1]
+        decodes.sort(key=lambda x: x[2])
         fused = self.fused_decoder
-        if fused is not None and len(decodes) == len(ordered) <= fused.max_rows and not drafts:
-            hidden = self._fused_decode([seq for _, seq, _ in decodes])
+        if fused is not None and not chunks and len(decodes) <= fused.max_rows:
+            hidden = self._fused_decode([(seq, ctx) for _, seq, ctx in decodes])
             self.fused_steps += 1
         else:
-            input_ids, positions, meta = self._prepare([(s, n) for _, s, n in ordered], len(decodes))
+            entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
+            entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
+            input_ids, positions, meta = self._prepare(entries, len(decodes))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
+        # The flat row of each request's last scheduled position, and its window's rows.
+        rows_of: dict[str, list[int]] = {}
+        for i, (rid, _, _) in enumerate(decodes):
+            rows_of.setdefault(rid, []).append(i)  # in position order: the sort is stable
+        offset = len(decodes)
+        for rid, _, n in chunks:
+            offset += n
+            rows_of[rid] = [offset - 1]
         sample_index, rows, ids = [], [], []
-        offset = 0
         grammar_rows: dict[str, int] = {}  # a request's first row; its drafted positions follow
         for i, rid in enumerate(plan.grammar_request_ids):
             grammar_rows.setdefault(rid, i)
-        for rid, seq, n in ordered:
-            offset += n
+        for rid, seq, n in scheduled:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens != len(seq.token_ids):
-                continue
+                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
             k = len(drafts.get(rid, ()))
+            window = rows_of[rid][-(k + 1) :]
             # Every drafted position is sampled as if its drafts were the request's own tokens.
             for i in range(k + 1):
-                sample_index.append(offset - 1 - k + i)
+                sample_index.append(window[i])
                 first = grammar_rows.get(rid)
                 grammar_row = None if first is None else first + i
                 rows.append(self._sampling_row(seq, grammar_row, len(seq.token_ids) - k + i))
@@ -355,14 +377,15 @@ class ModelRunner:
             seq.token_ids.extend(tokens)
         return result
 
-    def _fused_decode(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """The final hidden states of one new token per sequence, by the fused decode step."""
+    def _fused_decode(self, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
+        """The final hidden states of one token per row (a sequence and the context before
+        its token), by the fused decode step."""
         bs = self.block_size
-        context = [seq.num_computed_tokens for seq in seqs]
+        context = [ctx for _, ctx in rows]
         positions = torch.tensor(context)
-        tokens = torch.tensor([seq.token_ids[c] for seq, c in zip(seqs, context)])
-        rows = torch.tensor([seq.row for seq in seqs])
-        table = self.block_table[rows, : max(context) // bs + 1]  # a contiguous copy
+        tokens = torch.tensor([seq.token_ids[c] for seq, c in rows])
+        table_rows = torch.tensor([seq.row for seq, _ in rows])
+        table = self.block_table[table_rows, : max(context) // bs + 1]  # a contiguous copy
         slots = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         return self.fused_decoder.run(tokens, positions, slots, table, positions + 1)  # type: ignore[union-attr]
 
@@ -376,30 +399,30 @@ class ModelRunner:
         """
         seq = _Sequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
         table = torch.tensor([block_ids], dtype=torch.long)
-        ids, positions, meta = self._prepare([(seq, num_new)], 0, table)
+        ids, positions, meta = self._prepare([(seq, num_computed, num_new)], 0, table)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     def _prepare(
-        self, ordered: list[tuple[_Sequence, int]], num_decodes: int, table: torch.Tensor | None = None
+        self, ordered: list[tuple[_Sequence, int, int]], num_decodes: int, table: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids and positions, and the backend's metadata, for the ordered sequences."""
+        """Flat input ids and positions, and the backend's metadata, for the ordered entries
+        (a sequence, the context before the entry's tokens, how many tokens)."""
         bs = self.block_size
         tokens: list[int] = []
-        for seq, n in ordered:
-            ctx = seq.num_computed_tokens
+        for seq, ctx, n in ordered:
             if n == 1:
                 tokens.append(seq.token_ids[ctx])
             else:
                 tokens.extend(seq.token_ids[ctx : ctx + n])
-        query_lens = torch.tensor([n for _, n in ordered], dtype=torch.long)
-        context_lens = torch.tensor([seq.num_computed_tokens for seq, _ in ordered], dtype=torch.long)
+        query_lens = torch.tensor([n for _, _, n in ordered], dtype=torch.long)
+        context_lens = torch.tensor([ctx for _, ctx, _ in ordered], dtype=torch.long)
         # Position of each token: its sequence's context length plus its offset in the chunk.
         seq_of_token = torch.repeat_interleave(torch.arange(len(ordered)), query_lens)
         starts = torch.cumsum(query_lens, 0) - query_lens
         positions = context_lens[seq_of_token] + torch.arange(len(tokens)) - starts[seq_of_token]
         width = int((context_lens + query_lens).max()) // bs + 1
         if table is None:
-            rows = torch.tensor([seq.row for seq, _ in ordered], dtype=torch.long)
+            rows = torch.tensor([seq.row for seq, _, _ in ordered], dtype=torch.long)
             table = self.block_table[rows, : min(width, self.max_blocks_per_seq)]
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
         layout = BatchLayout(num_decodes, query_lens, context_lens, table, slots, bs)

@@ -83,7 +83,7 @@ _AVX512 = _Spec(
         "dolmus_amx_ready": [],
         # (x, packed, scale, zero or NULL, y, M, N, K, group, bits 4 | 8)
         "dolmus_quant_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
-        "dolmus_amx_quant_usable": [_i64, _i64],
+        "dolmus_amx_quant_usable": [_i64, _i64, _i64, _i64],
         # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     },

@@ -25,7 +25,7 @@ void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float
 int dolmus_amx_ready(void);
 /* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
 float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group);
-int dolmus_amx_quant_usable(int64_t M, int64_t K);
+int dolmus_amx_quant_usable(int64_t M, int64_t K, int64_t group, int64_t bits);
 void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t *scale, const uint16_t *zero,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t bits);
 

@@ -105,7 +105,7 @@ float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group)
 void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale,
                       const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K,
                       int64_t group) {
-    if (dolmus_amx_quant_usable(M, K)) { /* several rows: dequantized tiles on AMX (quant_amx.c) */
+    if (dolmus_amx_quant_usable(M, K, group, 4)) { /* several rows: on AMX tiles (quant_amx.c) */
         dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 4);
         return;
     }
@@ -161,7 +161,7 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
  * (codes are exact in bf16), then times the scale, plus the zero times sum x. */
 void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group) {
-    if (dolmus_amx_quant_usable(M, K)) { /* several rows: dequantized tiles on AMX (quant_amx.c) */
+    if (dolmus_amx_quant_usable(M, K, group, 8)) { /* several rows: on AMX tiles (quant_amx.c) */
         dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 8);
         return;
     }
