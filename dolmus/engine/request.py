@@ -102,10 +102,10 @@ class Request:
         self.timings = RequestTimings(arrival=arrival_time or time.monotonic())
         self.grammar: GrammarState | None = None  # set by the engine for structured output
         # Speculative decoding: drafts proposed and accepted, and a moving average of the
-        # accepted share that sets how many drafts the next step tries.
+        # chance a draft is accepted when the ones before it were (sets the next window).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.draft_acceptance = 1.0
+        self.draft_acceptance: float | None = None  # None until its first window is checked
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 # chance a draft is accepted when the ones before it were): requests whose drafts keep
 # failing stop paying for long windows and ones that copy their input get full ones.
 _ACCEPTANCE_EMA = 0.5
+# Weight of the latest window in the engine-wide average that new requests start from.
+_PRIOR_EMA = 0.05
 # Every this many steps the drafts go out whatever the measured costs say, so a size whose
 # cost was measured in a disturbed step gets measured again.
 _EXPLORE_EVERY = 64
@@ -108,6 +110,10 @@ class Scheduler:
         k = speculative.num_speculative_tokens if speculative is not None else 0
         self.spec_stats = SpecStats(accepted_per_position=[0] * k)
         self.step_costs = StepCosts()  # what the engine measured steps of each size to take
+        # The acceptance a request is assumed to have before its first window is checked: the
+        # average over the windows this engine checked (a server whose traffic copies its
+        # input gives new requests full windows; one whose drafts fail, short or none).
+        self.acceptance_prior = 0.5
         self._steps_drafted = 0
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -256,12 +262,11 @@ class Scheduler:
                 self.max_model_len - r.num_tokens,  # every draft's KV needs a position
             )
             room = min(room, self.book.allowance(r, budget))
+            alpha = self.acceptance_prior if r.draft_acceptance is None else r.draft_acceptance
             # a share of the window as long as the request's acceptance
-            scaled = min(room, max(1, round(spec.num_speculative_tokens * r.draft_acceptance)))
+            scaled = min(room, max(1, round(spec.num_speculative_tokens * alpha)))
             if measured:
-                room = draft_length(
-                    self.step_costs, num_tokens, expected_yield, r.draft_acceptance, room, scaled
-                )
+                room = draft_length(self.step_costs, num_tokens, expected_yield, alpha, room, scaled)
             else:
                 room = scaled
             if room <= 0:
@@ -276,7 +281,7 @@ class Scheduler:
             self.book.spend(r, len(drafts))
             budget -= len(drafts)
             num_tokens += len(drafts)
-            expected_yield += sum(r.draft_acceptance**d for d in range(1, len(drafts) + 1))
+            expected_yield += sum(alpha**d for d in range(1, len(drafts) + 1))
 
     def _memory_victim(self, i: int) -> Request:
         """Whom running[i] preempts for blocks: the least urgent, latest request after it that
@@ -397,7 +402,11 @@ class Scheduler:
         # Drafts are checked in order up to the first rejection: the ones checked are the
         # accepted ones plus that one, if any.
         checked = accepted + (accepted < len(item.drafts))
-        r.draft_acceptance += _ACCEPTANCE_EMA * (accepted / checked - r.draft_acceptance)
+        rate = accepted / checked
+        prior = self.acceptance_prior
+        self.acceptance_prior += _PRIOR_EMA * (rate - prior)
+        r.draft_acceptance = (prior if r.draft_acceptance is None else r.draft_acceptance) * (1 - _ACCEPTANCE_EMA)
+        r.draft_acceptance += _ACCEPTANCE_EMA * rate
         stats = self.spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(item.drafts)
