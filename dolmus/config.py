@@ -103,7 +103,7 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,11 @@ class SpeculativeConfig:
     adaptive: bool = True
     # suffix: finished requests whose outputs are kept to draft from (least recently used go)
     suffix_decoding_max_cached_requests: int = 10_000
+    # draft_model: the draft's folder or GGUF file (same tokenizer as the target), and how to
+    # quantize its weights on load (None: as stored; e.g. "int4" makes a copy of the target a
+    # cheap draft)
+    model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.suffix_decoding_max_cached_requests < 0:
@@ -137,6 +142,13 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                 f"and {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: 'model' (the draft) goes with method draft_model, and only with it")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config: quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
+                f"got {self.quantization!r}"
             )
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")

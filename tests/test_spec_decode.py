@@ -52,16 +52,27 @@ def proposer(lo: int = 2, hi: int = 4) -> NgramProposer:
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     #        0  1  2  3  4  5  6  7  8  9 10
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    assert proposer().propose(tokens, 3) == [7, 8, 1]  # the latest "1 2 3" is at 4
-    assert proposer().propose(tokens, 1) == [7]
+    assert proposer().propose("r", tokens, 3) == [7, 8, 1]  # the latest "1 2 3" is at 4
+    assert proposer().propose("r", tokens, 1) == [7]
 
 
 def test_ngram_prefers_longer_suffixes_and_respects_the_minimum():
     tokens = [4, 2, 3, 5, 1, 2, 3, 6, 0, 1, 2, 3]
-    assert proposer().propose(tokens, 2) == [6, 0]  # "1 2 3" matches at 4; "2 3" alone would say 5 or 6
-    assert proposer(lo=3).propose([1, 2, 9, 1, 2], 2) == []  # only a 2-gram repeats
-    assert proposer().propose([1, 2, 3, 4], 2) == []  # nothing repeats
-    assert proposer().propose([1, 2], 2) == []  # too short to match anything
+    assert proposer().propose("r", tokens, 2) == [6, 0]  # "1 2 3" matches at 4; "2 3" alone would say 5 or 6
+    assert proposer(lo=3).propose("r", [1, 2, 9, 1, 2], 2) == []  # only a 2-gram repeats
+    assert proposer().propose("r", [1, 2, 3, 4], 2) == []  # nothing repeats
+    assert proposer().propose("r", [1, 2], 2) == []  # too short to match anything
+
+
+def test_ngram_index_grows_with_the_tokens_and_reads_repeats_on_periodically():
+    p = proposer()
+    tokens = [5, 1, 2, 7, 9]
+    assert p.propose("r", tokens, 3) == []
+    tokens += [1, 2]  # the request's list grows between steps: only the new n-grams are indexed
+    assert p.propose("r", tokens, 3) == [7, 9, 1]
+    assert p.propose("other", [3, 4, 3, 4], 5) == [3, 4, 3, 4, 3]  # a run of period 2
+    p.finished("r", [1, 2])
+    assert set(p.indexes) == {"other"}
 
 
 # -- the engine, on and off ------------------------------------------------------------------
@@ -325,16 +336,16 @@ def test_suffix_proposer_drafts_from_earlier_outputs_and_stays_bounded():
     from dolmus.spec.proposer import SuffixProposer
 
     p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=2))
-    assert p.propose([40, 41, 42], 3) == []  # nothing seen, nothing repeated
-    p.observe([9, 40, 41, 42, 43, 44, 45])
-    assert p.propose([1, 40, 41, 42], 3) == [43, 44, 45]  # another request said what follows
+    assert p.propose("a", [40, 41, 42], 3) == []  # nothing seen, nothing repeated
+    p.finished("x", [9, 40, 41, 42, 43, 44, 45])
+    assert p.propose("b", [1, 40, 41, 42], 3) == [43, 44, 45]  # another request said what follows
     # A tie goes to the request's own tokens; a longer match elsewhere wins.
     mine = [7, 8, 5, 6, 3, 7, 8]
-    p.observe([7, 8, 100, 101])
-    assert p.propose(mine, 2) == [5, 6]
-    p.observe([6, 3, 7, 8, 300, 301])  # a third output: the oldest one leaves, with its index entries
-    assert p.propose(mine, 2) == [300, 301]
-    assert len(p.outputs) == 2 and p.propose([1, 40, 41, 42], 3) == []
+    p.finished("y", [7, 8, 100, 101])
+    assert p.propose("c", mine, 2) == [5, 6]
+    p.finished("z", [6, 3, 7, 8, 300, 301])  # a third output: the oldest one leaves, with its index entries
+    assert p.propose("c", mine, 2) == [300, 301]
+    assert len(p.outputs) == 2 and p.propose("d", [1, 40, 41, 42], 3) == []
     assert all(oid in p.outputs for oid, _ in p.index.values())
 
 
@@ -416,3 +427,55 @@ def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
 
     assert windows(lambda n: 0.001 * n) == [0] * 8
     assert windows(lambda n: 0.020 + 0.00001 * n) == [4] * 8
+
+
+# -- a draft model -----------------------------------------------------------------------------
+
+
+def _draft_spec(**extra) -> dict:
+    from dolmus.config import DEFAULT_MODEL_DIR
+
+    return {"method": "draft_model", "model": str(DEFAULT_MODEL_DIR), "num_speculative_tokens": 3, **extra}
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(plain: LLM):
+    """Greedy drafts of the target itself are its own choices: every draft is accepted, and
+    the output is the target's."""
+    llm = LLM(speculative_config=_draft_spec(adaptive=False))
+    params = SamplingParams(max_tokens=60, temperature=0)
+    assert _tokens(llm, params) == _tokens(plain, params)
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 60 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert llm.engine.runner.drafter is not None
+
+
+def test_a_quantized_draft_keeps_the_targets_output_across_features(plain: LLM):
+    """An int8 copy as the draft (drafts that are sometimes wrong), with chunked prefill of
+    seven tokens, a pool small enough to preempt, n = 2 seeded sampling, prefix-cache hits and
+    the default adaptive drafting."""
+    llm = LLM(
+        speculative_config=_draft_spec(quantization="int8"),
+        max_num_batched_tokens=7,
+        kv_cache_memory=24 * 16 * 2560,  # 24 blocks of 16 tokens, target and draft
+        max_num_seqs=8,
+    )
+    greedy = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    assert _tokens(llm, greedy, prompts) == _tokens(plain, greedy, prompts)
+    seeded = SamplingParams(max_tokens=50, temperature=0.8, seed=9, n=2)
+    assert _tokens(llm, seeded) == _tokens(plain, seeded)
+    assert _tokens(llm, greedy, PROMPTS[:1]) == _tokens(plain, greedy, PROMPTS[:1])  # cached blocks
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+
+
+def test_draft_model_configs_are_checked():
+    from dolmus.config import DEFAULT_MODEL_DIR
+
+    with pytest.raises(ValueError, match="'model'"):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="'model'"):
+        EngineConfig(speculative_config={"method": "ngram", "model": str(DEFAULT_MODEL_DIR)})
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(speculative_config=_draft_spec(quantization="int3"))

@@ -142,8 +142,9 @@ class Scheduler:
         request.status = status
         request.timings.finished = time.monotonic()
         self._finished_ids.append(request_id)
-        if self.proposer is not None and status != RequestStatus.FINISHED_ABORTED:
-            self.proposer.observe(request.output_token_ids)  # what suffix drafts are made of
+        if self.proposer is not None:  # suffix drafts are made of finished outputs
+            aborted = status == RequestStatus.FINISHED_ABORTED
+            self.proposer.finished(request_id, None if aborted else request.output_token_ids)
         return request
 
     def _preempt(
@@ -271,7 +272,9 @@ class Scheduler:
                 room = scaled
             if room <= 0:
                 continue
-            drafts = self.proposer.propose(r.all_token_ids, room)
+            if r.grammar is not None and self.proposer.drafts_in_runner:
+                continue  # its grammar can check drafts only here, before they exist
+            drafts = self.proposer.propose(r.request_id, r.all_token_ids, room)
             if r.grammar is not None:
                 drafts = _grammatical_prefix(r.grammar, drafts)
             if not drafts or not self.kv.allocate(r, 1 + len(drafts)):

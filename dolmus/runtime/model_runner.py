@@ -22,16 +22,20 @@ from dolmus.config import (
     DEFAULT_GPU_KV_CACHE_FRACTION,
     EngineConfig,
     ModelConfig,
+    SpeculativeConfig,
 )
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
+from dolmus.runtime.draft_model import DraftModel
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
+from dolmus.spec.proposer import DRAFTED_BY_RUNNER
 from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
@@ -135,6 +139,8 @@ class ModelRunner:
             ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
             int8_block_activations=config.gguf_activations == "int8",
         )
+        spec = config.speculative_config
+        self.drafter = None if spec is None or spec.model is None else self._load_draft(spec, max_model_len)
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
@@ -144,23 +150,60 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
         self.weight_bytes = module_bytes(self.model)
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
         self.fused_decoder = None
         self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
         if config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
-            spec = config.speculative_config
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, rows)
             if self.fused_decoder is None:
                 logger.info("fused decode step: off (%s)", why)
+            draft = self.drafter
+            if draft is not None and hasattr(draft.model, "fused_decoder"):
+                draft.fused_decoder, why = draft.model.fused_decoder(draft.kv_caches, config.max_num_seqs)
+                if draft.fused_decoder is None:
+                    logger.info("draft model's fused decode step: off (%s)", why)
         self.sampler = Sampler(device, config.seed)
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.sequences: dict[str, _Sequence] = {}
+
+    def _load_draft(self, spec: SpeculativeConfig, max_model_len: int) -> DraftModel:
+        """The draft model of speculative decoding, on the target's device, dtype and kernels."""
+        path = Path(spec.model)  # type: ignore[arg-type]
+        cfg = ModelConfig.from_dir(path)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
+                f"target's ({self.model_config.vocab_size}); a draft must share the target's tokenizer"
+            )
+        config = self.config
+        method = make_linear_method(
+            config.prepack_weights,
+            spec.quantization,
+            config.quant_group_size,
+            config.quant_symmetric,
+            config.quant_lm_head,
+            config.native_kernels,
+        )
+        model = load_model(
+            path,
+            cfg,
+            self.dtype,
+            self.device,
+            method,
+            self.attention,
+            max_model_len,
+            ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
+        )
+        logger.info("draft model: %s (%d layers, quantization %s)", path, cfg.num_layers, spec.quantization)
+        return DraftModel(model, cfg, path)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
@@ -190,6 +233,8 @@ class ModelRunner:
         per_token = mc.num_layers * kv_bytes_per_token(
             self.config.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, self.dtype
         )
+        if self.drafter is not None:  # its pool has the same blocks
+            per_token += self.drafter.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)
         per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:
@@ -291,6 +336,8 @@ class ModelRunner:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
             self._free_rows.append(seq.row)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
 
     # -- one step -------------------------------------------------------------------
 
@@ -300,6 +347,10 @@ class ModelRunner:
         if plan.empty:
             return StepResult()
         drafts = plan.draft_token_ids
+        if self.drafter is not None:  # slots the draft model fills in
+            asked = [(rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d]
+            if asked:
+                drafts = {**drafts, **self.drafter.propose(asked, self._prepare, self._fused_decode)}
         for rid, found in drafts.items():  # computed like the request's own tokens, then checked
             self.sequences[rid].token_ids.extend(found)
         # A decode and its drafts become rows of one token each, at successive positions: the
@@ -318,7 +369,7 @@ class ModelRunner:
         decodes.sort(key=lambda x: x[2])
         fused = self.fused_decoder
         if fused is not None and not chunks and len(decodes) <= fused.max_rows:
-            hidden = self._fused_decode([(seq, ctx) for _, seq, ctx in decodes])
+            hidden = self._fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
             self.fused_steps += 1
         else:
             entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
@@ -374,12 +425,14 @@ class ModelRunner:
                 result.sampled[rid] = tokens = kept
                 if rid in result.logprobs:
                     del result.logprobs[rid][len(kept) :]
+                if self.drafter is not None:
+                    self.drafter.checked(rid, seq.num_computed_tokens)
             seq.token_ids.extend(tokens)
         return result
 
-    def _fused_decode(self, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
+    def _fused_decode(self, decoder: FusedDecoder, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
         """The final hidden states of one token per row (a sequence and the context before
-        its token), by the fused decode step."""
+        its token), by a fused decode step (the target's or the draft model's)."""
         bs = self.block_size
         context = [ctx for _, ctx in rows]
         positions = torch.tensor(context)
@@ -387,7 +440,7 @@ class ModelRunner:
         table_rows = torch.tensor([seq.row for seq, _ in rows])
         table = self.block_table[table_rows, : max(context) // bs + 1]  # a contiguous copy
         slots = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        return self.fused_decoder.run(tokens, positions, slots, table, positions + 1)  # type: ignore[union-attr]
+        return decoder.run(tokens, positions, slots, table, positions + 1)
 
     @torch.inference_mode()
     def prompt_logits(

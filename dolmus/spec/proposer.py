@@ -10,57 +10,89 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
 from dolmus.config import SpeculativeConfig
 
 
+# A draft slot the runner's draft model fills in (runtime/draft_model.py): the scheduler
+# decides how many drafts a request gets, the runner what they are.
+DRAFTED_BY_RUNNER = -1
+
+
 class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
-        """Up to `max_drafts` guesses of the tokens that follow `token_ids` (may be none)."""
+    drafts_in_runner: bool  # True: propose() returns DRAFTED_BY_RUNNER slots
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+        """Up to `max_drafts` guesses of the tokens that follow `token_ids`, the request's
+        prompt and output so far (a list that only grows between calls); may be none."""
         ...
 
-    def observe(self, output_ids: Sequence[int]) -> None:
-        """A request finished with these output tokens (proposers that learn keep them)."""
+    def finished(self, request_id: str, output_ids: Sequence[int] | None) -> None:
+        """The request left, with these output tokens (None: aborted). Proposers that learn
+        from outputs keep them; every proposer drops what it kept for the request."""
         ...
+
+
+class _NgramIndex:
+    """Where each n-gram of one request's tokens last ended (with a token after it), for n
+    from min_n to max_n, extended as the tokens grow: a lookup costs the same at any length."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # n-grams ending before this position are in
+
+    def match(self, tokens: Sequence[int], max_drafts: int) -> tuple[int, list[int]]:
+        """The length of the longest suffix seen before (0: none) and the tokens that followed it."""
+        length = len(tokens)
+        if length < self.indexed:  # not the list it was built on: start again
+            self.ends = {n: {} for n in self.ends}
+            self.indexed = 0
+        for end in range(self.indexed, length):  # each n-gram with the token at `end` after it
+            for n, ends in self.ends.items():
+                if end >= n:
+                    ends[tuple(tokens[end - n : end])] = end
+        self.indexed = length
+        for n in sorted(self.ends, reverse=True):
+            if length <= n:
+                continue
+            end = self.ends[n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                # What followed, read on periodically where it runs into the suffix itself (in
+                # a repeating run the latest match is one period back).
+                period = length - end
+                return n, [tokens[end + i % period] for i in range(max_drafts)]
+        return 0, []
 
 
 class NgramProposer:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence (with a whole
-    window after it, where one has) of the longest suffix (prompt_lookup_max tokens down to
-    prompt_lookup_min) of the request's own tokens.
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
+    suffix (prompt_lookup_max tokens down to prompt_lookup_min) of the request's own tokens.
 
     Pays where outputs repeat their input: summaries, code edits, extraction, RAG answers.
+    Each request keeps an index of its n-grams, extended by the tokens added since the last
+    step, so proposing costs the same at any context length.
     """
+
+    drafts_in_runner = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.indexes: dict[str, _NgramIndex] = {}
 
-    def observe(self, output_ids: Sequence[int]) -> None:
-        pass  # looks only at the request's own tokens
+    def finished(self, request_id: str, output_ids: Sequence[int] | None) -> None:
+        self.indexes.pop(request_id, None)
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
-        return self.match(token_ids, max_drafts)[1]
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+        return self.match(request_id, token_ids, max_drafts)[1]
 
-    def match(self, token_ids: Sequence[int], max_drafts: int) -> tuple[int, list[int]]:
+    def match(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> tuple[int, list[int]]:
         """The length of the suffix that matched (0: none) and the drafts after its match."""
-        length = len(token_ids)
-        if max_drafts < 1 or length <= self.min_n:
+        if max_drafts < 1:
             return 0, []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n :]
-            # Windows that start before the suffix itself and have a token after them.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                # The latest match with a whole window after it (in a repeating run the very
-                # latest one runs into the suffix itself), else the latest.
-                whole = hits[hits + n + max_drafts <= length]
-                start = int(whole[-1] if whole.size else hits[-1]) + n
-                return n, tokens[start : start + max_drafts].tolist()
-        return 0, []
+        index = self.indexes.get(request_id)
+        if index is None:
+            index = self.indexes[request_id] = _NgramIndex(self.min_n, self.max_n)
+        return index.match(token_ids, max_drafts)
 
 
 class SuffixProposer:
@@ -75,6 +107,8 @@ class SuffixProposer:
     tokens on a tie (what the request itself repeats beats what others once said).
     """
 
+    drafts_in_runner = False
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.own = NgramProposer(config)
         self.min_n = config.prompt_lookup_min
@@ -84,8 +118,9 @@ class SuffixProposer:
         self.index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output id, end position)
         self._next_id = 0
 
-    def observe(self, output_ids: Sequence[int]) -> None:
-        if self.capacity == 0 or len(output_ids) <= self.min_n:
+    def finished(self, request_id: str, output_ids: Sequence[int] | None) -> None:
+        self.own.finished(request_id, output_ids)
+        if output_ids is None or self.capacity == 0 or len(output_ids) <= self.min_n:
             return
         while len(self.outputs) >= self.capacity:
             self._forget_oldest()
@@ -104,10 +139,10 @@ class SuffixProposer:
                 if self.index.get(key, (None,))[0] == oid:  # not since overwritten by a newer output
                     del self.index[key]
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         if max_drafts < 1:
             return []
-        own_n, own = self.own.match(token_ids, max_drafts)
+        own_n, own = self.own.match(request_id, token_ids, max_drafts)
         for n in range(min(self.max_n, len(token_ids)), max(self.min_n, own_n + 1) - 1, -1):
             found = self.index.get(tuple(token_ids[len(token_ids) - n :]))
             if found is not None:
@@ -117,9 +152,24 @@ class SuffixProposer:
         return own
 
 
+class DraftModelSlots:
+    """draft_model: the drafts come from a small model the runner holds next to the target
+    (runtime/draft_model.py); here only their number is decided, so slots stand for them."""
+
+    drafts_in_runner = True
+
+    def finished(self, request_id: str, output_ids: Sequence[int] | None) -> None:
+        pass
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+        return [DRAFTED_BY_RUNNER] * max(max_drafts, 0)
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
+    if config.method == "draft_model":
+        return DraftModelSlots()
     raise ValueError(f"unknown speculative method {config.method!r}")

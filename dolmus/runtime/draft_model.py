@@ -1,0 +1,115 @@
+"""A small model of the same tokenizer that drafts a request's next tokens for the target.
+
+It lives beside the target in the runner, with a KV cache of its own laid out in the same
+blocks (the same block ids address both pools, so the scheduler's block tables serve both).
+Per step it catches up on the tokens of a request it has not seen yet (its prompt, the last
+step's accepted drafts and bonus token), then runs one single-token step per further draft;
+the target then verifies the window as usual. Drafts are the draft model's greedy choices:
+deterministic drafts keep the target's output exactly what it would be without them, for
+sampled and seeded requests too (spec/verify.py).
+
+Its KV is trusted only as far as the tokens it was computed from are the request's: after a
+window, up to the last accepted draft. A block shared through the prefix cache may hold
+another request's target KV but never had draft KV written for this request, so a request
+new to the runner is caught up from its first token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dolmus.config import ModelConfig
+from dolmus.runtime.attention import AttentionMetadata
+from dolmus.runtime.attention.kv_store import PagedKV, kv_bytes_per_token, make_kv_store
+
+logger = logging.getLogger(__name__)
+
+# (sequence, context before the entry's tokens, how many tokens) -> ids, positions, metadata
+Prepare = Callable[[list[tuple[Any, int, int]], int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+# rows of (sequence, context before its one token) -> final hidden states, by a fused step
+FusedRun = Callable[[Any, list[tuple[Any, int]]], torch.Tensor]
+
+
+class DraftModel:
+    """The draft model, its KV pool, and how far each request's draft KV is good."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, source: Path) -> None:
+        self.model = model
+        self.config = config
+        self.source = source
+        self.kv_caches: list[PagedKV] = []
+        self.fused_decoder: Any = None
+        self.computed: dict[str, int] = {}  # request id -> tokens whose draft KV is good
+
+    def kv_bytes_per_token(self, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+        c = self.config
+        return c.num_layers * kv_bytes_per_token(kv_cache_dtype, c.num_kv_heads, c.head_dim, dtype)
+
+    def allocate(
+        self, kv_cache_dtype: str, slots: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        c = self.config
+        self.kv_caches = [
+            make_kv_store(kv_cache_dtype, slots, c.num_kv_heads, c.head_dim, block_size, dtype, device)
+            for _ in range(c.num_layers)
+        ]
+
+    def forget(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)
+
+    def checked(self, request_id: str, num_computed_tokens: int) -> None:
+        """The target kept the request's tokens up to `num_computed_tokens` (its KV is good
+        there): the draft's KV past them was computed from rejected drafts."""
+        if request_id in self.computed:
+            self.computed[request_id] = min(self.computed[request_id], num_computed_tokens)
+
+    def propose(
+        self, requests: list[tuple[str, Any, int]], prepare: Prepare, fused: FusedRun
+    ) -> dict[str, list[int]]:
+        """Greedy drafts, `room` of them for each (request id, sequence, room). Each sequence's
+        tokens end with the one the target computes first this step, at num_computed_tokens."""
+        drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+        rooms = {rid: room for rid, _, room in requests}
+        # First round: catch up from what the draft model computed to the sequence's last token.
+        entries = []
+        for rid, seq, _ in requests:
+            start = min(self.computed.get(rid, 0), seq.num_computed_tokens)
+            entries.append((rid, seq, start, seq.num_computed_tokens + 1 - start))
+        while entries:
+            following = []
+            for (rid, seq, start, n), token in zip(entries, self._next_tokens(entries, prepare, fused)):
+                self.computed[rid] = start + n
+                drafts[rid].append(token)
+                if len(drafts[rid]) < rooms[rid]:
+                    seq.token_ids.append(token)  # the next round's input
+                    following.append((rid, seq, start + n, 1))
+            entries = following
+        for rid, seq, _ in requests:  # the caller appends the drafts itself
+            del seq.token_ids[len(seq.token_ids) - len(drafts[rid]) + 1 :]
+        return drafts
+
+    def _next_tokens(
+        self, entries: list[tuple[str, Any, int, int]], prepare: Prepare, fused: FusedRun
+    ) -> list[int]:
+        """The draft model's greedy token after each entry's tokens (writing their KV)."""
+        single = sorted((i for i, e in enumerate(entries) if e[3] == 1), key=lambda i: entries[i][2])
+        order = single + [i for i, e in enumerate(entries) if e[3] > 1]
+        laid_out = [(entries[i][1], entries[i][2], entries[i][3]) for i in order]
+        decoder = self.fused_decoder
+        if decoder is not None and len(single) == len(order) <= decoder.max_rows:
+            hidden = fused(decoder, [(seq, ctx) for seq, ctx, _ in laid_out])
+            last = torch.arange(len(order))
+        else:
+            ids, positions, meta = prepare(laid_out, len(single))
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            last = torch.tensor([n for _, _, n in laid_out]).cumsum(0) - 1
+        chosen = self.model.compute_logits(hidden.index_select(0, last)).max(dim=-1).indices.tolist()
+        out = [0] * len(entries)
+        for slot, i in enumerate(order):
+            out[i] = chosen[slot]
+        return out
