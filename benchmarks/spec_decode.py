@@ -11,7 +11,12 @@ default) a window of five rows goes through other kernels than one row does (AMX
 against dot products, other summation orders), and a near tie can come out the other way.
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype bfloat16|float32] [--rounds 2] [--k 4]
-        [--batches 1,8,32] [--method ngram|suffix]
+        [--batches 1,8,32] [--method ngram|suffix|draft_model] [--draft-quantization int4]
+
+With --method draft_model the target is the GGUF's weights decoded to a bf16 folder (written
+once under ~/.cache/dolmus-bench; the GGUF's tokenizer), and the draft the same folder
+quantized on load (int4 by default): a real draft of the same tokenizer at a third of the
+bytes. Greedy drafts, as every request here is greedy.
 """
 
 from __future__ import annotations
@@ -60,6 +65,33 @@ OPEN = ["Why is the sky blue?", "Give three tips for a job interview.", "What is
         "Write a short poem about the sea."]  # fmt: skip
 
 
+def bf16_folder(gguf: Path) -> Path:
+    """The GGUF's weights decoded into a bf16 safetensors folder (config.json from its
+    metadata), written once: a full-precision target to put a quantized draft beside."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dolmus.config import ModelConfig
+    from dolmus.runtime.gguf_loader import gguf_config, iter_gguf_weights
+
+    out = Path.home() / ".cache/dolmus-bench" / f"{gguf.stem}-bf16"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    raw = gguf_config(gguf)
+    raw["torch_dtype"] = "bfloat16"
+    cfg = ModelConfig.from_dict(raw)
+    tensors = {}
+    for name, w in iter_gguf_weights(gguf, cfg.architecture, cfg.num_heads, cfg.num_kv_heads):
+        w = w.dequantize() if hasattr(w, "dequantize") else w
+        tensors[name] = w.to(torch.bfloat16).contiguous().clone()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw, default=str))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(next(DEFAULT_MODEL.glob("*.gguf"), DEFAULT_MODEL)))
@@ -69,14 +101,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--batches", default="1,8", help="comma list of batch sizes (each a multiple of 4, or 1)")
-    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model"])
+    ap.add_argument("--draft-quantization", default="int4", help="draft_model: the draft copy's quantization")
     args = ap.parse_args()
 
     from dolmus import LLM, SamplingParams
 
     spec = {"method": args.method, "num_speculative_tokens": args.k}
     common = {"dtype": args.dtype, "num_threads": args.num_threads}
-    llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=spec, **common)}
+    model = args.model
+    if args.method == "draft_model":
+        model = str(bf16_folder(Path(args.model)))
+        common["tokenizer"] = args.model
+        spec |= {"model": model, "quantization": args.draft_quantization}
+    llms = {"off": LLM(model, **common), "on": LLM(model, speculative_config=spec, **common)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     workloads = {}
     for batch in (int(b) for b in args.batches.split(",")):
@@ -102,7 +140,10 @@ def main() -> None:
                 rate = tokens / seconds
                 after = llm.engine.stats()
                 flag = "  (disturbed)" if stall > 0.05 else ""
-                print(f"{name:18s} {mode:3s}: {rate:7.1f} tok/s  cpu pressure {100 * stall:4.1f}%{flag}", flush=True)
+                print(
+                    f"{name:18s} {mode:3s}: {rate:7.1f} tok/s  cpu pressure {100 * stall:4.1f}%{flag}",
+                    flush=True,
+                )
                 if stall <= 0.05:
                     best[(name, mode)] = max(best.get((name, mode), 0.0), rate)
                 outputs[(name, mode)] = texts
@@ -112,7 +153,9 @@ def main() -> None:
                         after.spec_num_draft_tokens - before.spec_num_draft_tokens,
                         after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
                     )
-    print("\n| workload | off tok/s | on tok/s | on / off | drafted | accepted | mean accepted per draft step | identical outputs |")
+    columns = ["workload", "off tok/s", "on tok/s", "on / off", "drafted", "accepted"]
+    columns += ["mean accepted per draft step", "identical outputs"]
+    print("\n| " + " | ".join(columns) + " |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in workloads:
         off, on = best.get((name, "off")), best.get((name, "on"))
@@ -121,7 +164,8 @@ def main() -> None:
         pairs = list(zip(outputs[(name, "off")], outputs[(name, "on")]))
         same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         mean = 1 + accepted / drafts if drafts else 1.0
-        print(f"| {name} | {off or 0:.1f} | {on or 0:.1f} | {ratio} | {drafted} | {accepted} | {mean:.2f} | {same} |")
+        cells = [name, f"{off or 0:.1f}", f"{on or 0:.1f}", ratio, drafted, accepted, f"{mean:.2f}", same]
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

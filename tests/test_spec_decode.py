@@ -206,7 +206,8 @@ def test_draft_length_adapts_to_a_requests_acceptance():
     from dolmus.step import StepResult
 
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(kv, 4, 64, 500, speculative=SpeculativeConfig(num_speculative_tokens=4))
+    spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)  # no step times here
+    sched = Scheduler(kv, 4, 64, 500, speculative=spec)
     request = Request("r", [1, 2, 3] * 5, SamplingParams(max_tokens=100, ignore_eos=True), [0], 100)
     sched.add(request)
     lengths = []
@@ -368,27 +369,30 @@ def test_suffix_decoding_speeds_up_repeated_requests_without_changing_them(plain
 # -- how many drafts a step carries ------------------------------------------------------------
 
 
-def _costs(seconds_of):
+def _costs(seconds_of, bases=(1, 8, 32)):
+    """Step costs measured at a few draft counts for each plain size: seconds_of(tokens)."""
     from dolmus.spec.policy import StepCosts
 
     costs = StepCosts()
-    for n in (1, 2, 4, 8, 9, 12, 16, 24, 32, 40, 64):
-        costs.observe(n, seconds_of(n))
+    for base in bases:
+        for drafts in (0, 1, 2, 4, 8, 16, 32, 64, 128):
+            costs.observe(base, drafts, seconds_of(base + drafts))
     return costs
 
 
-def test_step_costs_interpolate_between_measured_sizes():
+def test_step_costs_interpolate_between_measured_draft_counts_of_one_size():
     from dolmus.spec.policy import StepCosts
 
     costs = StepCosts()
-    assert costs.estimate(4) is None
-    costs.observe(2, 0.010)
-    costs.observe(6, 0.030)
-    assert costs.estimate(1) == 0.010 and costs.estimate(6) == 0.030
-    assert costs.estimate(3) == pytest.approx(0.015)
-    assert costs.estimate(7) is None  # past what was measured
-    costs.observe(6, 0.040)  # a moving average, not the latest alone
-    assert 0.030 < costs.estimate(6) < 0.040
+    assert costs.estimate(4, 0) is None
+    costs.observe(4, 2, 0.010)
+    costs.observe(4, 6, 0.030)
+    costs.observe(8, 0, 0.050)  # another size: never mixed in
+    assert costs.estimate(4, 2) == 0.010 and costs.estimate(4, 6) == 0.030
+    assert costs.estimate(4, 3) == pytest.approx(0.015)
+    assert costs.estimate(4, 0) is None and costs.estimate(4, 7) is None  # outside what was measured
+    costs.observe(4, 6, 0.040)  # a moving average, not the latest alone
+    assert 0.030 < costs.estimate(4, 6) < 0.040
 
 
 def test_drafts_go_where_a_step_is_bound_by_reading_weights_and_not_where_by_compute():
@@ -396,13 +400,14 @@ def test_drafts_go_where_a_step_is_bound_by_reading_weights_and_not_where_by_com
 
     weights_bound = _costs(lambda n: 0.020 + 0.0002 * n)  # a few rows cost what one does
     compute_bound = _costs(lambda n: 0.001 * n)  # every row costs as much as the others
-    assert draft_length(weights_bound, 1, 1.0, 0.6, 4, 2) == 4
-    assert draft_length(weights_bound, 32, 32.0, 0.6, 4, 2) in (1, 2, 3, 4)
-    assert draft_length(compute_bound, 1, 1.0, 0.9, 4, 2) == 0
-    assert draft_length(compute_bound, 32, 32.0, 0.9, 4, 2) == 0
-    assert draft_length(weights_bound, 1, 1.0, 0.0, 4, 2) == 0  # drafts that are never accepted
-    assert draft_length(weights_bound, 64, 64.0, 0.9, 4, 2) == 2  # a size never measured: the fallback
-    assert draft_length(weights_bound, 1, 1.0, 0.9, 0, 2) == 0
+    assert draft_length(weights_bound, 1, 0, 1.0, 0.6, 4, 2) == 4
+    assert draft_length(weights_bound, 32, 0, 32.0, 0.6, 4, 2) in (1, 2, 3, 4)
+    assert draft_length(compute_bound, 1, 0, 1.0, 0.9, 4, 2) == 0
+    assert draft_length(compute_bound, 32, 0, 32.0, 0.9, 4, 2) == 0
+    assert draft_length(weights_bound, 1, 0, 1.0, 0.0, 4, 2) == 0  # drafts that are never accepted
+    assert draft_length(weights_bound, 8, 126, 9.0, 0.9, 4, 2) == 2  # windows never measured: the fallback
+    assert draft_length(weights_bound, 9, 0, 9.0, 0.9, 4, 2) == 0  # a size never measured without drafts
+    assert draft_length(weights_bound, 1, 0, 1.0, 0.9, 0, 2) == 0
 
 
 def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
@@ -421,7 +426,7 @@ def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
             sched.add(Request(f"r{i}", [1, 2, 3] * 5, params, [0], 100))
         out = sched.schedule()  # the prefills
         sched.update(out, StepResult({item.request.request_id: [1] for item in out.scheduled}))
-        sched.step_costs = _costs(seconds_of)
+        sched.step_costs = _costs(seconds_of)  # measured at 8 plain tokens among others
         out = sched.schedule()
         return [len(item.drafts) for item in out.scheduled]
 
@@ -451,8 +456,8 @@ def test_the_target_as_its_own_draft_is_always_accepted(plain: LLM):
 
 def test_a_quantized_draft_keeps_the_targets_output_across_features(plain: LLM):
     """An int8 copy as the draft (drafts that are sometimes wrong), with chunked prefill of
-    seven tokens, a pool small enough to preempt, n = 2 seeded sampling, prefix-cache hits and
-    the default adaptive drafting."""
+    seven tokens, a pool small enough to preempt, penalties and min_tokens with n = 2,
+    prefix-cache hits and the default adaptive drafting."""
     llm = LLM(
         speculative_config=_draft_spec(quantization="int8"),
         max_num_batched_tokens=7,
@@ -462,8 +467,8 @@ def test_a_quantized_draft_keeps_the_targets_output_across_features(plain: LLM):
     greedy = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     prompts = PROMPTS * 2
     assert _tokens(llm, greedy, prompts) == _tokens(plain, greedy, prompts)
-    seeded = SamplingParams(max_tokens=50, temperature=0.8, seed=9, n=2)
-    assert _tokens(llm, seeded) == _tokens(plain, seeded)
+    penalised = SamplingParams(max_tokens=50, temperature=0, repetition_penalty=1.3, min_tokens=30, n=2)
+    assert _tokens(llm, penalised) == _tokens(plain, penalised)
     assert _tokens(llm, greedy, PROMPTS[:1]) == _tokens(plain, greedy, PROMPTS[:1])  # cached blocks
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -479,3 +484,65 @@ def test_draft_model_configs_are_checked():
         EngineConfig(speculative_config={"method": "ngram", "model": str(DEFAULT_MODEL_DIR)})
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(speculative_config=_draft_spec(quantization="int3"))
+
+
+def test_the_target_as_its_own_sampled_draft_is_accepted_and_seeds_give_the_targets_tokens(plain: LLM):
+    """Unseeded sampled requests draw their drafts from the draft model's distribution: with
+    the target as its own draft p = q, so rejection sampling accepts them (up to rounding).
+    Seeded requests get greedy drafts, checked against the target's position-keyed draws:
+    the same tokens as without speculation."""
+    llm = LLM(speculative_config=_draft_spec(adaptive=False))
+    params = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, n=2, logprobs=1)
+    before = llm.engine.stats()
+    outs = llm.generate(PROMPTS, params)
+    stats = llm.engine.stats()
+    drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert drafted > 100
+    assert stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens >= 0.95 * drafted
+    for out in outs:
+        for c in out.outputs:
+            assert len(c.logprobs) == len(c.token_ids) and all(
+                t in lp for t, lp in zip(c.token_ids, c.logprobs)
+            )
+    seeded = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=21, n=2)
+    assert _tokens(llm, seeded) == _tokens(plain, seeded)
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    """Chi-square goodness of fit over 200k windows of two drafts drawn from a draft
+    distribution q unlike the target's p: the first emitted token follows p_0, the second
+    (where the first draft was accepted) p_1; a token p gives no chance never appears."""
+    import torch
+
+    from dolmus.spec.rejection import rejection_sample
+
+    vocab, n = 8, 200_000
+    gen = torch.Generator().manual_seed(3)
+    p = (torch.randn(3, vocab, generator=gen) * 1.5).softmax(-1)
+    p[0, 5] = 0.0  # impossible under the target, likely under the draft
+    p = p / p.sum(-1, keepdim=True)
+    q = (torch.randn(2, vocab, generator=gen) * 1.5).softmax(-1)
+    q[0, 5] = 0.4
+    q = q / q.sum(-1, keepdim=True)
+    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(2)], 1)
+    uniforms = torch.rand(n, 2, generator=gen)
+    noise = torch.empty(n, 3, vocab).exponential_(generator=gen)
+    emitted, count = rejection_sample(drafts, q.expand(n, 2, vocab), p.expand(n, 3, vocab), uniforms, noise)
+
+    def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        support = probs > 0
+        assert counts[~support].sum() == 0
+        exp = probs[support].double() * len(tokens)
+        return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+    critical = [6.635, 9.210, 11.345, 13.277, 15.086, 16.812, 18.475]  # p = 0.01, 1..7 dof
+    stat, dof = chi_square(emitted[:, 0], p[0])
+    assert stat < critical[dof - 1], (stat, dof)
+    second = emitted[count >= 2, 1]
+    assert len(second) > 20_000
+    stat, dof = chi_square(second, p[1])
+    assert stat < critical[dof - 1], (stat, dof)
+    # q = p: every draft is accepted, and the bonus token ends the window
+    same, count = rejection_sample(drafts, p[:2].expand(n, 2, vocab), p.expand(n, 3, vocab), uniforms, noise)
+    assert bool((count[drafts[:, 0] != 5] == 3).all())

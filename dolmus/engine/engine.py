@@ -310,7 +310,7 @@ class Engine:
         elapsed = time.monotonic() - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
         self.admission.observe_step(elapsed, sched.num_batched_tokens)
-        self.scheduler.observe_step(sched.num_batched_tokens, elapsed)
+        self.scheduler.observe_step(sched, elapsed)
         return outputs
 
     def _refuse_overdue(self, now: float) -> None:

@@ -40,7 +40,7 @@ _ACCEPTANCE_EMA = 0.5
 _PRIOR_EMA = 0.05
 # Every this many steps the drafts go out whatever the measured costs say, so a size whose
 # cost was measured in a disturbed step gets measured again.
-_EXPLORE_EVERY = 64
+_EXPLORE_EVERY = 256
 
 
 @dataclass
@@ -116,9 +116,10 @@ class Scheduler:
         self.acceptance_prior = 0.5
         self._steps_drafted = 0
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The engine's timing of a step of `num_tokens` (drafts included)."""
-        self.step_costs.observe(num_tokens, seconds)
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's timing of the step it ran from `out`."""
+        drafts = sum(len(item.drafts) for item in out.scheduled)
+        self.step_costs.observe(out.num_batched_tokens - drafts, drafts, seconds)
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -246,7 +247,8 @@ class Scheduler:
         assert spec is not None and self.proposer is not None
         if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
             return
-        num_tokens = sum(item.num_new_tokens for item in scheduled.values())
+        base_tokens = sum(item.num_new_tokens for item in scheduled.values())
+        num_drafts = 0
         expected_yield = float(sum(item.samples for item in scheduled.values()))
         self._steps_drafted += 1
         measured = spec.adaptive and self._steps_drafted % _EXPLORE_EVERY
@@ -267,7 +269,9 @@ class Scheduler:
             # a share of the window as long as the request's acceptance
             scaled = min(room, max(1, round(spec.num_speculative_tokens * alpha)))
             if measured:
-                room = draft_length(self.step_costs, num_tokens, expected_yield, alpha, room, scaled)
+                room = draft_length(
+                    self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
+                )
             else:
                 room = scaled
             if room <= 0:
@@ -283,7 +287,7 @@ class Scheduler:
             item.num_new_tokens = 1 + len(drafts)
             self.book.spend(r, len(drafts))
             budget -= len(drafts)
-            num_tokens += len(drafts)
+            num_drafts += len(drafts)
             expected_yield += sum(alpha**d for d in range(1, len(drafts) + 1))
 
     def _memory_victim(self, i: int) -> Request:

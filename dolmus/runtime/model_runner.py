@@ -36,6 +36,7 @@ from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
+from dolmus.spec.rejection import rejection_sample
 from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
@@ -164,10 +165,11 @@ class ModelRunner:
                 logger.info("fused decode step: off (%s)", why)
             draft = self.drafter
             if draft is not None and hasattr(draft.model, "fused_decoder"):
-                draft.fused_decoder, why = draft.model.fused_decoder(draft.kv_caches, config.max_num_seqs)
+                draft.fused_decoder, why = draft.model.fused_decoder(draft.kv_caches, rows)
                 if draft.fused_decoder is None:
                     logger.info("draft model's fused decode step: off (%s)", why)
         self.sampler = Sampler(device, config.seed)
+        self._draft_probs: dict[str, list[torch.Tensor]] = {}  # this step's sampled drafts' q rows
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
@@ -348,9 +350,12 @@ class ModelRunner:
             return StepResult()
         drafts = plan.draft_token_ids
         if self.drafter is not None:  # slots the draft model fills in
-            asked = [(rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d]
+            asked = [
+                (rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d
+            ]
             if asked:
-                drafts = {**drafts, **self.drafter.propose(asked, self._prepare, self._fused_decode)}
+                found = self.drafter.propose(asked, self._prepare, self._fused_decode, self._choose_drafts)
+                drafts = {**drafts, **found}
         for rid, found in drafts.items():  # computed like the request's own tokens, then checked
             self.sequences[rid].token_ids.extend(found)
         # A decode and its drafts become rows of one token each, at successive positions: the
@@ -376,6 +381,10 @@ class ModelRunner:
             entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
             input_ids, positions, meta = self._prepare(entries, len(decodes))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if self.drafter is not None and chunks:  # prompts reach the draft model with the target
+                spans = [(rid, ctx, 1) for rid, _, ctx in decodes]
+                spans += [(rid, seq.num_computed_tokens, n) for rid, seq, n in chunks]
+                self.drafter.follow(input_ids, positions, meta, spans)
 
         # The flat row of each request's last scheduled position, and its window's rows.
         rows_of: dict[str, list[int]] = {}
@@ -411,15 +420,31 @@ class ModelRunner:
             words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32)
             bitmask = words.view(len(plan.grammar_request_ids), -1)
         result = StepResult()
-        for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
+        # Windows of drafts sampled from the draft model's distribution are verified by
+        # rejection sampling; every other row is sampled, and its drafts checked against that.
+        sampled_drafts = self._draft_probs
+        plain = [i for i, rid in enumerate(ids) if rid not in sampled_drafts]
+        chosen = []
+        if plain:
+            some = logits[plain] if len(plain) < len(ids) else logits
+            chosen = self.sampler(some, [rows[i] for i in plain], bitmask)
+        for i, sampled in zip(plain, chosen):
+            rid = ids[i]
             result.sampled.setdefault(rid, []).append(sampled.token_id)
             if sampled.logprobs is not None:
                 result.logprobs.setdefault(rid, []).append(sampled.logprobs)
+        for rid, q in sampled_drafts.items():
+            at = [i for i, r in enumerate(ids) if r == rid]
+            kept, logprobs = self._rejection_sample(rid, drafts[rid], q, logits[at], [rows[i] for i in at])
+            result.sampled[rid] = kept
+            if logprobs is not None:
+                result.logprobs[rid] = logprobs
+        self._draft_probs = {}
         for rid, tokens in result.sampled.items():
             seq = self.sequences[rid]
             found = drafts.get(rid)
             if found:
-                kept = accepted_tokens(found, tokens)
+                kept = tokens if rid in sampled_drafts else accepted_tokens(found, tokens)
                 del seq.token_ids[len(seq.token_ids) - len(found) :]
                 seq.num_computed_tokens = len(seq.token_ids) - 1 + len(kept)
                 result.sampled[rid] = tokens = kept
@@ -429,6 +454,55 @@ class ModelRunner:
                     self.drafter.checked(rid, seq.num_computed_tokens)
             seq.token_ids.extend(tokens)
         return result
+
+    def _choose_drafts(self, logits: torch.Tensor, requests: list[tuple[str, _Sequence]]) -> list[int]:
+        """The draft model's tokens, one per (request, sequence whose tokens end before it).
+
+        Greedy for greedy and seeded requests: deterministic drafts verified against the
+        target's own draws, whose noise is keyed by output position, give a seeded request the
+        same tokens however its windows fall (they depend on timings and the other requests).
+        Drawn from the draft model's distribution for the rest, which is kept for rejection
+        sampling (spec/rejection.py): more drafts are accepted than the greedy guess gets."""
+        greedy = logits.max(dim=-1).indices.tolist()
+        out = []
+        for i, (rid, seq) in enumerate(requests):
+            if seq.params.greedy or seq.seed is not None:
+                out.append(greedy[i])
+                continue
+            row = self._sampling_row(seq, None)
+            q = self.sampler.probabilities(logits[i : i + 1], [row])
+            _, noise = self.sampler.noise(seq.seed, [row.num_output_tokens], q.shape[1], ":draft")
+            out.append(int((q / noise).argmax()))
+            self._draft_probs.setdefault(rid, []).append(q[0])
+        return out
+
+    def _rejection_sample(
+        self,
+        rid: str,
+        drafts: list[int],
+        q: list[torch.Tensor],
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+    ) -> tuple[list[int], list | None]:
+        """One window of sampled drafts: the tokens it emits, and their logprobs if asked."""
+        seq = self.sequences[rid]
+        p = self.sampler.probabilities(logits, rows)
+        first = rows[0].num_output_tokens
+        positions = list(range(first, first + len(rows)))
+        uniforms, noise = self.sampler.noise(seq.seed, positions, p.shape[1], ":verify")
+        emitted, count = rejection_sample(
+            torch.tensor([drafts]),
+            torch.stack(q).unsqueeze(0),
+            p.unsqueeze(0),
+            uniforms[:-1].unsqueeze(0),
+            noise.unsqueeze(0),
+        )
+        kept = emitted[0, : int(count[0])].tolist()
+        k = seq.params.logprobs
+        if k is None:
+            return kept, None
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        return kept, [Sampler.with_logprobs(t, raw[i], k).logprobs for i, t in enumerate(kept)]
 
     def _fused_decode(self, decoder: FusedDecoder, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
         """The final hidden states of one token per row (a sequence and the context before

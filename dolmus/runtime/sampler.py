@@ -46,9 +46,10 @@ class Sampled:
     logprobs: TokenLogprobs | None = None
 
 
-def position_seed(seed: int, position: int) -> int:
-    """The noise seed of one output position of a seeded sequence (64 bits, well mixed)."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+def position_seed(seed: int, position: int, purpose: str = "") -> int:
+    """The noise seed of one output position of a seeded sequence (64 bits, well mixed); a
+    purpose other than sampling itself (a draft's draw, its verification) gets noise of its own."""
+    digest = hashlib.blake2b(f"{seed}:{position}{purpose}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -81,12 +82,13 @@ class Sampler:
         if raw_logprobs is None:
             return [Sampled(t) for t in token_list]
         return [
-            self._with_logprobs(t, raw_logprobs[i], k)
+            self.with_logprobs(t, raw_logprobs[i], k)
             for i, (t, k) in enumerate(zip(token_list, want_logprobs))
         ]
 
     @staticmethod
-    def _with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> Sampled:
+    def with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> Sampled:
+        """The token with its logprob and the top k of the row (raw log-softmax)."""
         if k is None:
             return Sampled(token)
         chosen = float(logprobs[token])
@@ -153,8 +155,36 @@ class Sampler:
         for i, token in zip(again, self._choose(masked, [rows[i] for i in again])):
             tokens[i] = token
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[rows, vocab] float32: the distribution each row's token would be drawn from
+        (processors, temperature, top-k/top-p/min-p; a greedy row's argmax has it all)."""
+        processed = logits.float()
+        self._apply_processors(processed, rows)
+        probs = self._distribution(processed, rows)
+        for i, row in enumerate(rows):
+            if row.params.greedy:
+                probs[i] = 0.0
+                probs[i, processed[i].argmax()] = 1.0
+        return probs
+
+    def noise(
+        self, seed: int | None, positions: list[int], vocab: int, purpose: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A uniform and a row of Exp(1) noise per output position: from generators keyed by
+        (seed, position, purpose) for a seeded sequence, else from the engine's generator."""
+        uniforms = torch.empty(len(positions))
+        rows = torch.empty(len(positions), vocab)
+        for i, position in enumerate(positions):
+            gen = self.generator
+            if seed is not None:
+                gen = self._seeded
+                gen.manual_seed(position_seed(seed, position, purpose))
+            uniforms[i : i + 1].uniform_(generator=gen)
+            rows[i].exponential_(generator=gen)
+        return uniforms, rows
+
+    def _distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature (1 for greedy rows), top-k/top-p, softmax, min-p, on processed logits."""
         temps = torch.tensor(
             [1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device
         )
@@ -168,6 +198,11 @@ class Sampler:
         if any(m > 0 for m in min_p):
             threshold = torch.tensor(min_p, device=probs.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        probs = self._distribution(logits, rows)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
             if row.seed is not None:

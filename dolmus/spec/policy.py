@@ -19,53 +19,84 @@ _EMA = 0.2  # weight of the latest step in a size's cost
 _MARGIN = 1.03
 
 
-class StepCosts:
-    """Seconds a step takes by the tokens in it (a moving average per size), as measured."""
+class _Curve:
+    """Seconds by a number (sorted measured points, a moving average at each)."""
 
     def __init__(self) -> None:
-        self._sizes: list[int] = []  # sorted sizes with a measurement
-        self._seconds: dict[int, float] = {}
+        self.points: list[int] = []
+        self.seconds: dict[int, float] = {}
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        prev = self._seconds.get(num_tokens)
+    def observe(self, x: int, seconds: float) -> None:
+        prev = self.seconds.get(x)
         if prev is None:
-            bisect.insort(self._sizes, num_tokens)
-            self._seconds[num_tokens] = seconds
+            bisect.insort(self.points, x)
+            self.seconds[x] = seconds
         else:
-            self._seconds[num_tokens] = prev + _EMA * (seconds - prev)
+            self.seconds[x] = prev + _EMA * (seconds - prev)
 
-    def estimate(self, num_tokens: int) -> float | None:
-        """The measured cost of a step of this size, interpolated between measured sizes;
-        None past the largest measured size (nothing known there yet)."""
-        sizes = self._sizes
-        i = bisect.bisect_left(sizes, num_tokens)
-        if i == len(sizes):
+    def at(self, x: int) -> float | None:
+        """Measured at x, or interpolated between measured points; None outside them."""
+        i = bisect.bisect_left(self.points, x)
+        if i == len(self.points):
             return None
-        hi = sizes[i]
-        if hi == num_tokens or i == 0:
-            # below the smallest measured size a step costs at most what that one did
-            return self._seconds[hi]
-        lo = sizes[i - 1]
-        w = (num_tokens - lo) / (hi - lo)
-        return self._seconds[lo] + w * (self._seconds[hi] - self._seconds[lo])
+        hi = self.points[i]
+        if hi == x:
+            return self.seconds[hi]
+        if i == 0:
+            return None
+        lo = self.points[i - 1]
+        w = (x - lo) / (hi - lo)
+        return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
+
+
+class StepCosts:
+    """Seconds a step takes by its tokens without drafts and its drafts, as measured.
+
+    Kept per number of plain tokens: what drafts add depends on what the step already
+    carries (nearly nothing on one sequence, as much as any token on a busy server, plus a
+    draft model's own passes), so the curve of cost over drafts of one size is never mixed
+    with another size's.
+    """
+
+    def __init__(self) -> None:
+        self._by_base: dict[int, _Curve] = {}
+
+    def observe(self, base_tokens: int, draft_tokens: int, seconds: float) -> None:
+        if base_tokens <= 0 or seconds <= 0:
+            return
+        self._by_base.setdefault(base_tokens, _Curve()).observe(draft_tokens, seconds)
+
+    def estimate(self, base_tokens: int, draft_tokens: int) -> float | None:
+        """What a step of that many plain tokens costs with that many drafts: measured, or
+        interpolated between measured draft counts; None where nothing brackets it."""
+        curve = self._by_base.get(base_tokens)
+        return None if curve is None else curve.at(draft_tokens)
 
 
 def draft_length(
-    costs: StepCosts, num_tokens: int, expected_yield: float, acceptance: float, room: int, unknown: int
+    costs: StepCosts,
+    base_tokens: int,
+    drafts_so_far: int,
+    expected_yield: float,
+    acceptance: float,
+    room: int,
+    unknown: int,
 ) -> int:
     """The drafts (0 to `room`) that give a step the most expected tokens per second.
 
-    num_tokens: the step's tokens so far; expected_yield: the tokens it is expected to emit
-    (one per sampling request, plus the windows given so far); acceptance: the chance that a
-    draft is accepted given the ones before it were (the request's measured rate), so the
-    d-th draft adds acceptance**d expected tokens. Where a window's size was never measured
-    the answer is `unknown` drafts, and the step that runs them measures that size.
+    base_tokens: the step's tokens other than drafts; drafts_so_far: drafts already given to
+    requests before this one; expected_yield: the tokens the step is expected to emit (one
+    per sampling request, plus the windows given so far); acceptance: the chance that a draft
+    is accepted given the ones before it were (the request's measured rate), so the d-th
+    draft adds acceptance**d expected tokens. A step whose plain size was never measured
+    without drafts gets none, so that it is (windows would otherwise be compared with a
+    guess, and a busy server that always drafted would never learn what a plain step
+    costs); where a window's size was never measured the answer is `unknown` drafts, and the
+    step that runs them measures it.
     """
-    if room <= 0:
+    if room <= 0 or costs.estimate(base_tokens, 0) is None:
         return 0
-    base = costs.estimate(num_tokens)
+    base = costs.estimate(base_tokens, drafts_so_far)
     if base is None:
         return min(unknown, room)
     base_rate = expected_yield / base
@@ -73,7 +104,7 @@ def draft_length(
     gained = 0.0
     for d in range(1, room + 1):
         gained += acceptance**d
-        cost = costs.estimate(num_tokens + d)
+        cost = costs.estimate(base_tokens, drafts_so_far + d)
         if cost is None:
             return max(best, min(unknown, room))
         rate = (expected_yield + gained) / cost

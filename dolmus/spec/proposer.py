@@ -12,7 +12,6 @@ from typing import Protocol
 
 from dolmus.config import SpeculativeConfig
 
-
 # A draft slot the runner's draft model fills in (runtime/draft_model.py): the scheduler
 # decides how many drafts a request gets, the runner what they are.
 DRAFTED_BY_RUNNER = -1
