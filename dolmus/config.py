@@ -103,7 +103,7 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10_000
     # draft_model: the draft's folder or GGUF file (same tokenizer as the target), and how to
     # quantize its weights on load (None: as stored; e.g. "int4" makes a copy of the target a
-    # cheap draft)
+    # cheap draft); eagle3: the head's folder (the public EAGLE-3 checkpoint layout)
     model: str | None = None
     quantization: str | None = None
 
@@ -143,12 +143,15 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                 f"and {self.prompt_lookup_max}"
             )
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative_config: 'model' (the draft) goes with method draft_model, and only with it")
+        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+            raise ValueError(
+                "speculative_config: 'model' (the draft model, or the EAGLE-3 head's folder) goes with "
+                "methods draft_model and eagle3, and only with them"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"speculative_config: quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
-                f"got {self.quantization!r}"
+                "speculative_config: quantization must be one of "
+                f"{', '.join(q for q in QUANTIZATIONS if q)}, got {self.quantization!r}"
             )
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")

@@ -29,9 +29,11 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.draft_model import DraftModel
+from dolmus.runtime.eagle_drafter import EagleDrafter
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.models.eagle3 import load_eagle3
 from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
@@ -141,7 +143,9 @@ class ModelRunner:
             int8_block_activations=config.gguf_activations == "int8",
         )
         spec = config.speculative_config
-        self.drafter = None if spec is None or spec.model is None else self._load_draft(spec, max_model_len)
+        method = spec.method if spec is not None else None
+        self.drafter = self._load_draft(spec, max_model_len) if method == "draft_model" else None
+        self.eagle = self._load_eagle(spec, max_model_len) if method == "eagle3" else None
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
@@ -151,14 +155,17 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        if self.drafter is not None:
-            self.drafter.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
+        for extra in (self.drafter, self.eagle):  # their pools have the target's blocks
+            if extra is not None:
+                extra.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
         self.weight_bytes = module_bytes(self.model)
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
         self.fused_decoder = None
         self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
-        if config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
+        if self.eagle is not None and config.fused_decode:
+            logger.info("fused decode step: off (an EAGLE-3 head reads hidden states it does not keep)")
+        elif config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, rows)
             if self.fused_decoder is None:
@@ -207,6 +214,25 @@ class ModelRunner:
         logger.info("draft model: %s (%d layers, quantization %s)", path, cfg.num_layers, spec.quantization)
         return DraftModel(model, cfg, path)
 
+    def _load_eagle(self, spec: SpeculativeConfig, max_model_len: int) -> EagleDrafter:
+        """An EAGLE-3 head on the target's device and dtype, sharing its embedding, and the
+        target set to keep the hidden states the head reads."""
+        head = load_eagle3(
+            Path(spec.model),  # type: ignore[arg-type]
+            self.model_config,
+            self.dtype,
+            self.device,
+            make_linear_method(False, native_kernels=self.config.native_kernels),
+            self.attention,
+            max_model_len,
+            NATIVE_OPS if self.native_kernels else TORCH_OPS,
+        )
+        if head.embed_tokens is None:
+            head.embed_tokens = self.model.model.embed_tokens
+        self.model.capture_layers = head.aux_layers
+        logger.info("EAGLE-3 head: %s (reads layers %s)", spec.model, head.aux_layers)
+        return EagleDrafter(head)
+
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
         return cls(
@@ -235,8 +261,9 @@ class ModelRunner:
         per_token = mc.num_layers * kv_bytes_per_token(
             self.config.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, self.dtype
         )
-        if self.drafter is not None:  # its pool has the same blocks
-            per_token += self.drafter.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)
+        for extra in (self.drafter, self.eagle):  # their pools have the same blocks
+            if extra is not None:
+                per_token += extra.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)
         per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:
@@ -338,8 +365,9 @@ class ModelRunner:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
             self._free_rows.append(seq.row)
-        if self.drafter is not None:
-            self.drafter.forget(request_id)
+        for extra in (self.drafter, self.eagle):
+            if extra is not None:
+                extra.forget(request_id)
 
     # -- one step -------------------------------------------------------------------
 
@@ -349,13 +377,14 @@ class ModelRunner:
         if plan.empty:
             return StepResult()
         drafts = plan.draft_token_ids
-        if self.drafter is not None:  # slots the draft model fills in
-            asked = [
-                (rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d
-            ]
-            if asked:
+        asked = [(rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d]
+        if asked:  # slots the draft model or head fills in
+            if self.drafter is not None:
                 found = self.drafter.propose(asked, self._prepare, self._fused_decode, self._choose_drafts)
-                drafts = {**drafts, **found}
+            else:
+                assert self.eagle is not None, "draft slots without a draft model or head"
+                found = self.eagle.propose(asked, self._prepare, self._choose_drafts)
+            drafts = {**drafts, **found}
         for rid, found in drafts.items():  # computed like the request's own tokens, then checked
             self.sequences[rid].token_ids.extend(found)
         # A decode and its drafts become rows of one token each, at successive positions: the
@@ -386,14 +415,15 @@ class ModelRunner:
                 spans += [(rid, seq.num_computed_tokens, n) for rid, seq, n in chunks]
                 self.drafter.follow(input_ids, positions, meta, spans)
 
-        # The flat row of each request's last scheduled position, and its window's rows.
+        # The flat rows of each request's positions, in position order (the sort is stable).
         rows_of: dict[str, list[int]] = {}
         for i, (rid, _, _) in enumerate(decodes):
-            rows_of.setdefault(rid, []).append(i)  # in position order: the sort is stable
+            rows_of.setdefault(rid, []).append(i)
         offset = len(decodes)
         for rid, _, n in chunks:
+            rows_of[rid] = list(range(offset, offset + n))
             offset += n
-            rows_of[rid] = [offset - 1]
+        first_position = {rid: seq.num_computed_tokens for rid, seq, _ in scheduled}
         sample_index, rows, ids = [], [], []
         grammar_rows: dict[str, int] = {}  # a request's first row; its drafted positions follow
         for i, rid in enumerate(plan.grammar_request_ids):
@@ -453,6 +483,13 @@ class ModelRunner:
                 if self.drafter is not None:
                     self.drafter.checked(rid, seq.num_computed_tokens)
             seq.token_ids.extend(tokens)
+        if self.eagle is not None and self.model.captured is not None:
+            # the head over what the target kept: every chunk position, a window's accepted part
+            spans = []
+            for rid, seq, n in scheduled:
+                kept = len(result.sampled.get(rid, ())) if rid in drafts else n
+                spans.append((rid, seq, first_position[rid], kept, rows_of[rid][:kept]))
+            self.eagle.follow(spans, self.model.captured, self._prepare)
         return result
 
     def _choose_drafts(self, logits: torch.Tensor, requests: list[tuple[str, _Sequence]]) -> list[int]:

@@ -152,8 +152,9 @@ class SuffixProposer:
 
 
 class DraftModelSlots:
-    """draft_model: the drafts come from a small model the runner holds next to the target
-    (runtime/draft_model.py); here only their number is decided, so slots stand for them."""
+    """draft_model and eagle3: the drafts come from a small model or a head the runner holds
+    next to the target (runtime/draft_model.py, runtime/eagle_drafter.py); here only their
+    number is decided, so slots stand for them."""
 
     drafts_in_runner = True
 
@@ -169,6 +170,6 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
-    if config.method == "draft_model":
+    if config.method in ("draft_model", "eagle3"):
         return DraftModelSlots()
     raise ValueError(f"unknown speculative method {config.method!r}")

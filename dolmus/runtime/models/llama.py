@@ -185,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.weight_shared = True
+        # Speculative heads (EAGLE-3) read the residual stream entering these layers: each
+        # forward leaves it in `captured`, [tokens, len(capture_layers) * hidden], in this order.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(
         self,
@@ -195,8 +199,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.lookup(positions)
-        for layer, cache in zip(self.model.layers, kv_caches):
+        captured = []
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i in self.capture_layers:
+                captured.append(x)
             x = layer(x, cos_sin, cache, meta)
+        if self.capture_layers:
+            order = sorted(set(self.capture_layers))
+            self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
