@@ -167,6 +167,7 @@ def test_preemption_and_prefix_cache_with_drafts_give_the_same_output(plain: LLM
     prompts = PROMPTS * 2
     assert _tokens(small, params, prompts) == _tokens(plain, params, prompts)
     assert small.engine.stats().num_preemptions > 0
+    assert small.engine.stats().spec_fallbacks["memory"] > 0  # windows dropped, never a preemption
     first = _tokens(plain, params, PROMPTS[:1])[0]
     follow_up = [*plain.tokenizer.encode(PROMPTS[0]), *first[:70]]
     assert _tokens(small, params, [follow_up]) == _tokens(plain, params, [follow_up])
@@ -285,6 +286,7 @@ def test_served_with_a_speculative_config_flag(plain: LLM, tmp_path):
             <= m["dolmus:spec_decode_num_draft_tokens_total"]
         )
         assert m['dolmus:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+        assert m['dolmus:spec_decode_num_fallbacks_total{reason="memory"}'] >= 0
 
 
 def test_emitted_tokens_follow_the_target_distribution():
@@ -418,7 +420,7 @@ def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
     from dolmus.engine.scheduler import Scheduler
     from dolmus.step import StepResult
 
-    def windows(seconds_of) -> list[int]:
+    def windows(seconds_of) -> tuple[list[int], dict[str, int]]:
         kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
         sched = Scheduler(kv, 8, 256, 500, speculative=SpeculativeConfig(num_speculative_tokens=4))
         for i in range(8):
@@ -428,10 +430,10 @@ def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
         sched.update(out, StepResult({item.request.request_id: [1] for item in out.scheduled}))
         sched.step_costs = _costs(seconds_of)  # measured at 8 plain tokens among others
         out = sched.schedule()
-        return [len(item.drafts) for item in out.scheduled]
+        return [len(item.drafts) for item in out.scheduled], sched.spec_stats.fallbacks
 
-    assert windows(lambda n: 0.001 * n) == [0] * 8
-    assert windows(lambda n: 0.020 + 0.00001 * n) == [4] * 8
+    assert windows(lambda n: 0.001 * n) == ([0] * 8, {"cost": 8, "memory": 0})
+    assert windows(lambda n: 0.020 + 0.00001 * n) == ([4] * 8, {"cost": 0, "memory": 0})
 
 
 # -- a draft model -----------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> plain decodes instead
 
 
 @dataclass
@@ -471,6 +472,7 @@ class Engine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
+            spec_fallbacks=dict(spec.fallbacks),
         )
 
 

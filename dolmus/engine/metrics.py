@@ -79,10 +79,16 @@ class EngineMetrics:
         )  # fmt: skip
         by_app = ["model_name", "app"]  # the tiers file's key names: a bounded label set
         self._app_requests = Counter(
-            "dolmus:app_requests", "Finished requests, by the app of their API key.", by_app, registry=self.registry
+            "dolmus:app_requests",
+            "Finished requests, by the app of their API key.",
+            by_app,
+            registry=self.registry,
         )
         self._app_prompt = Counter(
-            "dolmus:app_prompt_tokens", "Prompt tokens of finished requests, by app.", by_app, registry=self.registry
+            "dolmus:app_prompt_tokens",
+            "Prompt tokens of finished requests, by app.",
+            by_app,
+            registry=self.registry,
         )
         self._app_generation = Counter(
             "dolmus:app_generation_tokens", "Generated tokens, by app.", by_app, registry=self.registry
@@ -195,8 +201,12 @@ class _StatsCollector(Collector):
             "Requests moved to a laxer tier because their tier's TTFT target could not be met.",
             s.admission_demoted,
         )
-        yield counter("dolmus:spec_decode_num_drafts", "Request-steps that carried drafts.", s.spec_num_drafts)
-        yield counter("dolmus:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+        yield counter(
+            "dolmus:spec_decode_num_drafts", "Request-steps that carried drafts.", s.spec_num_drafts
+        )
+        yield counter(
+            "dolmus:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens
+        )
         yield counter(
             "dolmus:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens
         )
@@ -208,6 +218,15 @@ class _StatsCollector(Collector):
         for i, accepted in enumerate(s.spec_accepted_per_position):
             per_position.add_metric([self._model, str(i)], accepted)
         yield per_position
+        fallbacks = CounterMetricFamily(
+            "dolmus:spec_decode_num_fallbacks",
+            "Decodes that ran without drafts they could have had: cost (the measured step times said "
+            "a window would not pay) or memory (no KV blocks free for it).",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in sorted(s.spec_fallbacks.items()):
+            fallbacks.add_metric([self._model, reason], count)
+        yield fallbacks
         yield counter(
             "dolmus:queue_timeouts",
             "Requests refused (429) after waiting past their tier's max_queue_wait.",

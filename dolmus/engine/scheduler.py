@@ -64,6 +64,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # decodes that ran without a window they could have had: the measured step costs said it
+    # would not pay ("cost"), or no KV blocks were free for it ("memory"; never a preemption)
+    fallbacks: dict[str, int] = field(default_factory=lambda: {"cost": 0, "memory": 0})
 
 
 @dataclass
@@ -104,7 +107,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # What the runner holds: request id -> how many of its block ids it has been sent.
         self._sent_blocks: dict[str, int] = {}
-        self.book = TierBook(tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of)
+        self.book = TierBook(
+            tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of
+        )
         self.speculative = speculative
         self.proposer: Proposer | None = make_proposer(speculative) if speculative is not None else None
         k = speculative.num_speculative_tokens if speculative is not None else 0
@@ -192,7 +197,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.book.allowance(request, budget))
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens, self.book.allowance(request, budget)
+            )
             if num_new <= 0:  # what is left is held for another tier this step
                 i += 1
                 continue
@@ -269,9 +276,14 @@ class Scheduler:
             # a share of the window as long as the request's acceptance
             scaled = min(room, max(1, round(spec.num_speculative_tokens * alpha)))
             if measured:
-                room = draft_length(
-                    self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
+                wanted, room = (
+                    room,
+                    draft_length(
+                        self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
+                    ),
                 )
+                if wanted > 0 and room == 0:
+                    self.spec_stats.fallbacks["cost"] += 1
             else:
                 room = scaled
             if room <= 0:
@@ -281,8 +293,11 @@ class Scheduler:
             drafts = self.proposer.propose(r.request_id, r.all_token_ids, room)
             if r.grammar is not None:
                 drafts = _grammatical_prefix(r.grammar, drafts)
-            if not drafts or not self.kv.allocate(r, 1 + len(drafts)):
-                continue  # nothing to guess, or no blocks for it: a plain decode, never a preemption
+            if not drafts:
+                continue  # nothing to guess
+            if not self.kv.allocate(r, 1 + len(drafts)):
+                self.spec_stats.fallbacks["memory"] += 1
+                continue  # no blocks for it: a plain decode, never a preemption
             item.drafts = drafts
             item.num_new_tokens = 1 + len(drafts)
             self.book.spend(r, len(drafts))
@@ -412,7 +427,9 @@ class Scheduler:
         rate = accepted / checked
         prior = self.acceptance_prior
         self.acceptance_prior += _PRIOR_EMA * (rate - prior)
-        r.draft_acceptance = (prior if r.draft_acceptance is None else r.draft_acceptance) * (1 - _ACCEPTANCE_EMA)
+        r.draft_acceptance = (prior if r.draft_acceptance is None else r.draft_acceptance) * (
+            1 - _ACCEPTANCE_EMA
+        )
         r.draft_acceptance += _ACCEPTANCE_EMA * rate
         stats = self.spec_stats
         stats.num_drafts += 1
