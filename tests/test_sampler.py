@@ -104,3 +104,17 @@ def test_eos_list_from_generation_config(tmp_path, llm):
         "Once", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     )
     assert ignored[0].outputs[0].token_ids == free
+
+
+def test_processors_leave_the_callers_float32_logits_raw():
+    """Penalties work in place on a float copy: float32 logits must not be that copy, or a
+    grammar's redraw and the logprobs would read penalised rows (and penalise them twice)."""
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.5, presence_penalty=0.5)
+    rows = [SamplingRow(params, None, [1, 2, 3, 4], 2, []) for _ in range(2)]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler(logits, rows)
+    assert torch.equal(logits, raw)
+    probs = sampler.probabilities(logits, rows)
+    assert torch.equal(logits, raw) and torch.allclose(probs.sum(-1), torch.ones(2))

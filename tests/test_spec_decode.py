@@ -289,9 +289,21 @@ def test_served_with_a_speculative_config_flag(plain: LLM, tmp_path):
         assert m['dolmus:spec_decode_num_fallbacks_total{reason="memory"}'] >= 0
 
 
-def test_emitted_tokens_follow_the_target_distribution():
-    """Chi-square goodness of fit over 200k windows: the first emitted token of a window is a
-    plain draw from the target, and so is the second, given the first matched its draft."""
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.2, top_k=3),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.0, presence_penalty=0.8, repetition_penalty=1.3),
+    ],
+    ids=["top_p", "top_k", "min_p", "penalties"],
+)
+def test_emitted_tokens_follow_the_target_distribution(params: SamplingParams):
+    """Chi-square goodness of fit over 200k windows with a deterministic draft: the first
+    emitted token of a window is a plain draw from the target's processed distribution, and
+    so is the second, given the first matched its draft; a token of probability 0 never
+    appears."""
     import torch
 
     from dolmus.runtime.sampler import Sampler, SamplingRow
@@ -299,36 +311,29 @@ def test_emitted_tokens_follow_the_target_distribution():
     vocab, n = 8, 200_000
     torch.manual_seed(0)
     target = [torch.randn(vocab) * 1.5, torch.randn(vocab) * 1.5]  # positions 0 and 1 of a window
-    draft = int(target[0].argmax())  # a deterministic draft: the likeliest first token
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    rows = [SamplingRow(params, None, [1, 2, 3], 3, []) for _ in range(n)]
+    history = [1, 2, 3, 5]  # the prompt and an output token: what penalties see
+    rows = [SamplingRow(params, None, history, 3, []) for _ in range(n)]
     sampler = Sampler(torch.device("cpu"), seed=1234)
+    expected = [sampler.probabilities(t.unsqueeze(0), rows[:1])[0] for t in target]
+    draft = int(expected[0].argmax())  # a deterministic draft: the likeliest first token
     first = [s.token_id for s in sampler(target[0].expand(n, vocab).clone(), rows)]
     second = [s.token_id for s in sampler(target[1].expand(n, vocab).clone(), rows)]
     windows = [accepted_tokens([draft, 0], [a, b, 0]) for a, b in zip(first, second)]
 
-    def expected(logits: torch.Tensor) -> torch.Tensor:
-        probs = (logits / params.temperature).softmax(-1)
-        ordered, order = probs.sort(descending=True)
-        keep = ordered.cumsum(-1) - ordered < params.top_p  # the nucleus, as top-p defines it
-        out = torch.zeros(vocab)
-        out[order[keep]] = ordered[keep]
-        return out / out.sum()
-
     def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
         counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
         support = probs > 0
-        assert counts[~support].sum() == 0  # nothing outside top-p
+        assert counts[~support].sum() == 0  # nothing the processing ruled out
         exp = probs[support].double() * len(tokens)
         return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
 
     # Critical values of chi-square at p = 0.01 for 1..7 degrees of freedom.
     critical = [6.635, 9.210, 11.345, 13.277, 15.086, 16.812, 18.475]
-    stat, dof = chi_square([w[0] for w in windows], expected(target[0]))
+    stat, dof = chi_square([w[0] for w in windows], expected[0])
     assert dof >= 1 and stat < critical[dof - 1], (stat, dof)
     given = [w[1] for w in windows if len(w) > 1]  # the first token matched the draft
     assert len(given) > 20_000
-    stat, dof = chi_square(given, expected(target[1]))
+    stat, dof = chi_square(given, expected[1])
     assert dof >= 1 and stat < critical[dof - 1], (stat, dof)
 
 

@@ -16,7 +16,7 @@ _EMA = 0.2  # weight of the latest step in a size's cost
 # A window's expected tokens per second of the time it adds must beat the step's own rate by
 # this much: steps of one size vary by a few percent, and a window that only breaks even is
 # not worth the risk.
-_MARGIN = 1.03
+_MARGIN = 1.15
 
 
 class _Curve:

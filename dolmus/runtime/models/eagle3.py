@@ -36,15 +36,7 @@ from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.loader import iter_weights, safetensors_files
-from dolmus.runtime.models.llama import MLP, Attention
-
-_STACKED = (
-    ("q_proj", "qkv_proj", "q"),
-    ("k_proj", "qkv_proj", "k"),
-    ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", "gate"),
-    ("up_proj", "gate_up_proj", "up"),
-)
+from dolmus.runtime.models.llama import MLP, STACKED_PARAMS, Attention, expected_weights
 
 
 class Eagle3Head(nn.Module):
@@ -110,12 +102,7 @@ class Eagle3Head(nn.Module):
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        expected = {(name, None) for name in params}
-        for prefix, module in self.named_modules():
-            if isinstance(module, Linear):
-                for pname, _ in module.named_parameters(recurse=False):
-                    expected.discard((f"{prefix}.{pname}", None))
-                    expected.update((f"{prefix}.{pname}", shard) for shard in module.shard_offsets)
+        expected = expected_weights(self)
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
             if name == "t2d":
@@ -130,7 +117,7 @@ class Eagle3Head(nn.Module):
                 continue
             name = name.removeprefix("model.").replace("midlayer.", "").replace("layers.0.", "")
             shard = None
-            for ckpt_part, ours, shard_id in _STACKED:
+            for ckpt_part, ours, shard_id in STACKED_PARAMS:
                 if f".{ckpt_part}." in name:
                     name, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
                     break

@@ -31,13 +31,27 @@ from dolmus.runtime.models.registry import register_architecture
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 # checkpoint sub-name -> (our fused sub-name, shard)
-_STACKED = (
+STACKED_PARAMS = (
     ("q_proj", "qkv_proj", "q"),
     ("k_proj", "qkv_proj", "k"),
     ("v_proj", "qkv_proj", "v"),
     ("gate_proj", "gate_up_proj", "gate"),
     ("up_proj", "gate_up_proj", "up"),
 )
+
+
+def expected_weights(model: nn.Module) -> set[tuple[str, str | None]]:
+    """(parameter, shard) pairs a checkpoint must fill: one per shard of a fused linear layer."""
+    expected: set[tuple[str, str | None]] = {
+        (name, None) for name, _ in model.named_parameters(remove_duplicate=False)
+    }
+    for prefix, module in model.named_modules():
+        if isinstance(module, Linear):
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{prefix}.{pname}"
+                expected.discard((full, None))
+                expected.update((full, shard) for shard in module.shard_offsets)
+    return expected
 
 
 class Attention(nn.Module):
@@ -219,13 +233,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into place; raise naming any weight left unloaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        expected = {(name, None) for name in params}
-        for prefix, module in self.named_modules():
-            if isinstance(module, Linear):
-                for pname, _ in module.named_parameters(recurse=False):
-                    full = f"{prefix}.{pname}"
-                    expected.discard((full, None))
-                    expected.update((full, shard) for shard in module.shard_offsets)
+        expected = expected_weights(self)
         tied = self.cfg.tie_word_embeddings
         if tied:
             expected.discard(("lm_head.weight", None))
@@ -238,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head.weight_loader(self.lm_head.weight, tensor)
                 continue
             shard = None
-            for ckpt_part, ours, shard_id in _STACKED:
+            for ckpt_part, ours, shard_id in STACKED_PARAMS:
                 if f".{ckpt_part}." in name:
                     name, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
                     break
