@@ -162,6 +162,13 @@ def test_interactive_request_overtakes_batch(tmp_path) -> None:
 
             batch = [asyncio.create_task(batch_request(i)) for i in range(32)]
             await started.wait()
+            # Every seat taken and the rest queued before the interactive request comes: the
+            # first chunk alone can arrive while the server is still taking the batch in.
+            while True:
+                m = await asyncio.to_thread(server.metrics)
+                if m["dolmus:num_requests_running"] == 8 and m["dolmus:num_requests_waiting"] > 0:
+                    break
+                await asyncio.sleep(0.05)
             sent = time.monotonic()
             response = await client.chat.completions.create(
                 model=MODEL,
