@@ -36,7 +36,7 @@ from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.loader import iter_weights, safetensors_files
-from dolmus.runtime.models.llama import MLP, STACKED_PARAMS, Attention, expected_weights
+from dolmus.runtime.models.llama import MLP, Attention, expected_weights, fused_name
 
 
 class Eagle3Head(nn.Module):
@@ -115,12 +115,9 @@ class Eagle3Head(nn.Module):
                     tensor.to(self.norm.weight.dtype), freeze=True
                 )
                 continue
-            name = name.removeprefix("model.").replace("midlayer.", "").replace("layers.0.", "")
-            shard = None
-            for ckpt_part, ours, shard_id in STACKED_PARAMS:
-                if f".{ckpt_part}." in name:
-                    name, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
-                    break
+            name, shard = fused_name(
+                name.removeprefix("model.").replace("midlayer.", "").replace("layers.0.", "")
+            )
             param = params.get(name)
             if param is None:
                 raise ValueError(f"EAGLE-3 checkpoint tensor {name!r} matches no parameter of the head")

@@ -40,6 +40,14 @@ STACKED_PARAMS = (
 )
 
 
+def fused_name(name: str) -> tuple[str, str | None]:
+    """A checkpoint tensor's parameter and shard: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    for ckpt_part, ours, shard_id in STACKED_PARAMS:
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
+    return name, None
+
+
 def expected_weights(model: nn.Module) -> set[tuple[str, str | None]]:
     """(parameter, shard) pairs a checkpoint must fill: one per shard of a fused linear layer."""
     expected: set[tuple[str, str | None]] = {
@@ -245,11 +253,7 @@ class LlamaForCausalLM(nn.Module):
                 if not isinstance(tensor, torch.Tensor):  # the embedding's codes (GGUF): the head's
                     self.lm_head.weight_loader(self.lm_head.weight, tensor)
                 continue
-            shard = None
-            for ckpt_part, ours, shard_id in STACKED_PARAMS:
-                if f".{ckpt_part}." in name:
-                    name, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
-                    break
+            name, shard = fused_name(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(
