@@ -265,6 +265,8 @@ class Scheduler:
             r = item.request
             if item.num_new_tokens != 1 or not item.samples:
                 continue
+            if r.grammar is not None and self.proposer.drafts_in_runner:
+                continue  # its grammar can check drafts only here, before they exist
             room = min(
                 spec.num_speculative_tokens,
                 budget,
@@ -275,21 +277,16 @@ class Scheduler:
             alpha = self.acceptance_prior if r.draft_acceptance is None else r.draft_acceptance
             # a share of the window as long as the request's acceptance
             scaled = min(room, max(1, round(spec.num_speculative_tokens * alpha)))
-            if measured:
-                wanted, room = (
-                    room,
-                    draft_length(
-                        self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
-                    ),
-                )
-                if wanted > 0 and room == 0:
-                    self.spec_stats.fallbacks["cost"] += 1
-            else:
+            if not measured:
                 room = scaled
+            elif room > 0:
+                room = draft_length(
+                    self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
+                )
+                if room == 0:
+                    self.spec_stats.fallbacks["cost"] += 1
             if room <= 0:
                 continue
-            if r.grammar is not None and self.proposer.drafts_in_runner:
-                continue  # its grammar can check drafts only here, before they exist
             drafts = self.proposer.propose(r.request_id, r.all_token_ids, room)
             if r.grammar is not None:
                 drafts = _grammatical_prefix(r.grammar, drafts)

@@ -19,9 +19,7 @@ new to the runner is caught up from its first token.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +27,6 @@ import torch
 from dolmus.config import ModelConfig
 from dolmus.runtime.attention import AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV, kv_bytes_per_token, make_kv_store
-
-logger = logging.getLogger(__name__)
 
 # Catch-ups of up to this many tokens per request go through the fused step as single rows.
 _ROWS_PER_CATCH_UP = 8
@@ -46,10 +42,9 @@ Choose = Callable[[torch.Tensor, list[tuple[str, Any]]], list[int]]
 class DraftModel:
     """The draft model, its KV pool, and how far each request's draft KV is good."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, source: Path) -> None:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig) -> None:
         self.model = model
         self.config = config
-        self.source = source
         self.kv_caches: list[PagedKV] = []
         self.fused_decoder: Any = None
         self.computed: dict[str, int] = {}  # request id -> tokens whose draft KV is good

@@ -13,17 +13,13 @@ computed it, with the same tokens and features, so cached prompts need no head w
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dolmus.runtime.attention import AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV, kv_bytes_per_token, make_kv_store
+from dolmus.runtime.draft_model import Choose, Prepare
 from dolmus.runtime.models.eagle3 import Eagle3Head
-
-Prepare = Callable[[list[tuple[Any, int, int]], int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
-Choose = Callable[[torch.Tensor, list[tuple[str, Any]]], list[int]]
 
 
 class EagleDrafter:

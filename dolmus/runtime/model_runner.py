@@ -212,7 +212,7 @@ class ModelRunner:
             ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
         )
         logger.info("draft model: %s (%d layers, quantization %s)", path, cfg.num_layers, spec.quantization)
-        return DraftModel(model, cfg, path)
+        return DraftModel(model, cfg)
 
     def _load_eagle(self, spec: SpeculativeConfig, max_model_len: int) -> EagleDrafter:
         """An EAGLE-3 head on the target's device and dtype, sharing its embedding, and the
@@ -416,14 +416,15 @@ class ModelRunner:
                 self.drafter.follow(input_ids, positions, meta, spans)
 
         # The flat rows of each request's positions, in position order (the sort is stable).
-        rows_of: dict[str, list[int]] = {}
+        rows_of: dict[str, list[int] | range] = {}
         for i, (rid, _, _) in enumerate(decodes):
             rows_of.setdefault(rid, []).append(i)
         offset = len(decodes)
         for rid, _, n in chunks:
-            rows_of[rid] = list(range(offset, offset + n))
+            rows_of[rid] = range(offset, offset + n)
             offset += n
-        first_position = {rid: seq.num_computed_tokens for rid, seq, _ in scheduled}
+        # where each request's positions start, for the EAGLE head's catch-up after sampling
+        first_position = {rid: seq.num_computed_tokens for rid, seq, _ in scheduled} if self.eagle else {}
         sample_index, rows, ids = [], [], []
         grammar_rows: dict[str, int] = {}  # a request's first row; its drafted positions follow
         for i, rid in enumerate(plan.grammar_request_ids):

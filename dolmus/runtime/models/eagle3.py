@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dolmus.config import ModelConfig
+from dolmus.distributed.parallel_config import SINGLE_RANK
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear, load_plain
@@ -54,8 +55,6 @@ class Eagle3Head(nn.Module):
         ops: LayerOps,
     ) -> None:
         super().__init__()
-        from dolmus.distributed.parallel_config import SINGLE_RANK
-
         h = cfg.hidden_size
         self.cfg, self.aux_layers, self.target_vocab = cfg, aux_layers, target_vocab
         self.fc = Linear(len(aux_layers) * target_hidden, h, False, dtype, method)
