@@ -15,6 +15,7 @@ from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
 from dolmus.config import EngineConfig, ServerConfig, SpeculativeConfig, TierSpec
+from dolmus.entrypoints.chat_cli import add_chat_args, run_chat
 
 T = TypeVar("T")
 
@@ -276,6 +277,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument(
+        "--ui", action=argparse.BooleanOptionalAction, default=d.ui, help="the chat page at / (--no-ui: off)"
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=lambda text: tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip()),
+        default=d.allowed_origins,
+        help="comma-separated browser origins allowed to call the API (CORS), or '*'",
+    )
+    g.add_argument(
         "--engine-core",
         choices=_choices(ServerConfig, "engine_core"),
         default=d.engine_core,
@@ -302,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
+
+    # No abbreviated flags: chat passes its engine flags on to `dolmus serve` as written.
+    chat = sub.add_parser("chat", help="chat with a model in the terminal", allow_abbrev=False)
+    add_chat_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=run_chat)
 
     conv = sub.add_parser("convert", help="write a Hugging Face folder as a GGUF file for llama.cpp")
     conv.add_argument("model", help="Hugging Face model folder")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -438,6 +439,10 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
     log_level: str = "info"
+    ui: bool = True  # the chat page and dashboard at / (server/ui/)
+    # Browser origins allowed to call the API from their pages (CORS); none by default, "*" for
+    # any. Preflights are answered before the API-key check (browsers send them without keys).
+    allowed_origins: tuple[str, ...] = ()
     # process (the default): the step loop in its own process, so HTTP and SSE work never
     # holds the GIL the step's op dispatch waits for; thread: on a thread of the API server's
     # process (one process, less memory). On 2 cores serving SmolLM2 Q4_1 at one user the
@@ -460,6 +465,11 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
             raise ValueError(f"gpu_hour_cost must be >= 0, got {self.gpu_hour_cost}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)"
+                )
         check_choices(self)
 
     def model_name(self, engine: EngineConfig) -> str:

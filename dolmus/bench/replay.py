@@ -30,9 +30,9 @@ from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
 from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
 from dolmus.engine.async_engine import AsyncEngine
-from dolmus.server.access import parse_tiers, scheduling_specs
 from dolmus.engine.engine import Engine, load_tokenizer
 from dolmus.sampling_params import SamplingParams
+from dolmus.server.access import parse_tiers, scheduling_specs
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 

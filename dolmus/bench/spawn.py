@@ -44,7 +44,10 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log: Path | None = None,
         startup_timeout: float = 300.0,
+        new_session: bool = False,
     ) -> None:
+        """`new_session`: keep the server out of the terminal's process group, so a Ctrl+C meant
+        for the parent (say, stopping one answer in `dolmus chat`) does not shut it down."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -59,7 +62,11 @@ class ServerProcess:
         ]
         self._log: IO[bytes] | int = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [*cmd, *args], env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT
+            [*cmd, *args],
+            env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
         self._wait_ready(startup_timeout)
 
@@ -70,7 +77,7 @@ class ServerProcess:
     def _wait_ready(self, timeout: float) -> None:
         try:
             wait_healthy(self.proc, self.url, timeout, "dolmus serve")
-        except RuntimeError:
+        except BaseException:  # a failed start, or Ctrl+C while waiting
             self.stop()  # kills a process still starting, closes the log either way
             raise
 

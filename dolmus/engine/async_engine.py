@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from dolmus.engine.engine import Engine, EngineStats
+from dolmus.engine.engine import Engine, EngineStats, RequestSummary
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
 
@@ -44,6 +44,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Summaries:
+    """Asks the step thread for the request list (read between steps, never during one)."""
+
+    future: asyncio.Future[list[RequestSummary]]
 
 
 _STOP = object()
@@ -139,6 +146,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def request_summaries(self) -> list[RequestSummary]:
+        """The sequences in the engine now, read by the step thread between steps."""
+        if self._error is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running")
+        future: asyncio.Future[list[RequestSummary]] = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Summaries(future))
+        return await future
+
     # -- the step thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -189,6 +204,8 @@ class AsyncEngine:
                     errors.append((item.request_id, exc))
             elif isinstance(item, _Abort):
                 self.engine.abort_request(item.request_id)
+            elif isinstance(item, _Summaries):
+                self._call_soon(_resolve, item.future, self.engine.request_summaries())
         if items:
             # The snapshot now counts the new requests, so the event loop may stop counting them.
             self._stats = self.engine.stats()
@@ -257,3 +274,8 @@ def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     for old, new in zip(older.outputs, newer.outputs):
         new.text_delta = old.text_delta + new.text_delta
     return newer
+
+
+def _resolve(future: asyncio.Future[list[RequestSummary]], value: list[RequestSummary]) -> None:
+    if not future.done():  # the asking handler may have been cancelled meanwhile
+        future.set_result(value)

@@ -31,14 +31,16 @@ from dolmus.engine.core_protocol import (
     AbortRequest,
     AddRequest,
     CoreDied,
+    ListRequests,
     LoadFailed,
     Ready,
+    RequestList,
     Shutdown,
     StepOutputs,
     from_core_decoder,
     to_core_encoder,
 )
-from dolmus.engine.engine import EngineStats, load_tokenizer
+from dolmus.engine.engine import EngineStats, RequestSummary, load_tokenizer
 from dolmus.engine.output_delta import OutputAssembler
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
@@ -81,6 +83,8 @@ class EngineCoreClient:
         self._stats: EngineStats | None = None
         self._error: str | None = None
         self._closing = False
+        self._lists: dict[int, asyncio.Future[list[RequestSummary]]] = {}  # token -> waiting asker
+        self._next_token = 0
         self.engine: FrontEnd | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -208,6 +212,20 @@ class EngineCoreClient:
         except zmq.ZMQError:
             pass
 
+    async def request_summaries(self) -> list[RequestSummary]:
+        """The sequences in the core's engine now (the core answers between steps)."""
+        if not self.is_running:
+            raise EngineDeadError(self._error or "the engine is not running")
+        self._next_token += 1
+        token = self._next_token
+        future: asyncio.Future[list[RequestSummary]] = asyncio.get_running_loop().create_future()
+        self._lists[token] = future
+        try:
+            await self._inbox.send(to_core_encoder.encode(ListRequests(token)))
+            return await future
+        finally:
+            self._lists.pop(token, None)
+
     # -- the reader task ------------------------------------------------------------------
 
     async def _read(self) -> None:
@@ -218,6 +236,11 @@ class EngineCoreClient:
                 logger.error("engine core: %s", msg.message)
                 self._fail_all(EngineDeadError(msg.message.splitlines()[0]))
                 return
+            if isinstance(msg, RequestList):
+                future = self._lists.get(msg.token)
+                if future is not None and not future.done():
+                    future.set_result(msg.requests)
+                continue
             if not isinstance(msg, StepOutputs):
                 continue
             self._stats = msg.stats
@@ -242,3 +265,6 @@ class EngineCoreClient:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+        for future in self._lists.values():
+            if not future.done():
+                future.set_exception(exc)

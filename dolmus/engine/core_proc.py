@@ -17,19 +17,21 @@ import traceback
 import zmq
 
 from dolmus.config import EngineConfig
+from dolmus.engine.admission import RequestRefused
 from dolmus.engine.core_protocol import (
     AbortRequest,
     AddRequest,
     CoreDied,
+    ListRequests,
     LoadFailed,
     Ready,
     RequestError,
+    RequestList,
     Shutdown,
     StepOutputs,
     from_core_encoder,
     to_core_decoder,
 )
-from dolmus.engine.admission import RequestRefused
 from dolmus.engine.engine import Engine
 from dolmus.engine.output_delta import DeltaMaker
 from dolmus.executor.worker import die_with_parent
@@ -111,6 +113,9 @@ class _CoreLoop:
                 return False
             if isinstance(msg, AbortRequest):
                 self._abort(msg.request_id)
+            elif isinstance(msg, ListRequests):
+                reply = RequestList(msg.token, self.engine.request_summaries())
+                self.outbox.send(from_core_encoder.encode(reply))
             else:
                 self._add(msg)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dolmus.engine.engine import EngineStats
+from dolmus.engine.engine import EngineStats, RequestSummary
 from dolmus.engine.output_delta import OutputDelta
 from dolmus.sampling_params import SamplingParams
 
@@ -30,7 +30,13 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = AddRequest | AbortRequest | Shutdown
+class ListRequests(msgspec.Struct, tag=True):
+    """Asks for the sequences in the engine; answered by a RequestList with the same token."""
+
+    token: int
+
+
+ToCore = AddRequest | AbortRequest | Shutdown | ListRequests
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -65,7 +71,12 @@ class CoreDied(msgspec.Struct, tag=True):
     message: str
 
 
-FromCore = Ready | LoadFailed | StepOutputs | CoreDied
+class RequestList(msgspec.Struct, tag=True):
+    token: int
+    requests: list[RequestSummary]
+
+
+FromCore = Ready | LoadFailed | StepOutputs | CoreDied | RequestList
 
 to_core_encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

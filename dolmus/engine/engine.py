@@ -34,7 +34,7 @@ from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
 
 logger = logging.getLogger(__name__)
 
-_CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
+CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
 
 
 def load_tokenizer(path: str) -> Any:
@@ -82,6 +82,23 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> plain decodes instead
+
+
+@dataclass
+class RequestSummary:
+    """One sequence in the engine as an operator sees it (no prompt text): for the server's
+    running-requests list."""
+
+    request_id: str
+    state: str  # "running" | "waiting" | "preempted" (waiting to be recomputed)
+    priority: int
+    prompt_tokens: int
+    output_tokens: int
+    computed_tokens: int  # of prompt + output, KV written (prefill progress)
+    cached_tokens: int  # prompt tokens found in the prefix cache (0 until admitted)
+    blocks: int  # KV blocks held
+    age_s: float  # since arrival
+    num_preemptions: int
 
 
 @dataclass
@@ -207,7 +224,7 @@ class Engine:
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child_id = request_id if params.n == 1 else f"{request_id}{_CHILD_SEP}{i}"
+            child_id = request_id if params.n == 1 else f"{request_id}{CHILD_SEP}{i}"
             children.append(
                 Request(
                     child_id,
@@ -440,6 +457,31 @@ class Engine:
         return torch.log_softmax(logits.float(), dim=-1)
 
     # -- observability ----------------------------------------------------------------
+
+    def request_summaries(self) -> list[RequestSummary]:
+        """Every sequence still in the engine, most urgent first."""
+        now = time.monotonic()
+        out = []
+        for req in sorted(self.scheduler.requests.values(), key=lambda r: r.sort_key):
+            if req.status is RequestStatus.RUNNING:
+                state = "running"
+            else:
+                state = "preempted" if req.num_preemptions and not req.num_computed_tokens else "waiting"
+            out.append(
+                RequestSummary(
+                    request_id=req.request_id,
+                    state=state,
+                    priority=req.priority,
+                    prompt_tokens=req.num_prompt_tokens,
+                    output_tokens=req.num_output_tokens,
+                    computed_tokens=req.num_computed_tokens,
+                    cached_tokens=max(req.num_cached_tokens, 0),
+                    blocks=self.kv.num_blocks_of(req.request_id),
+                    age_s=now - req.timings.arrival,
+                    num_preemptions=req.num_preemptions,
+                )
+            )
+        return out
 
     def stats(self) -> EngineStats:
         kv = self.kv

@@ -255,14 +255,14 @@ class _StatsCollector(Collector):
             yield gauge(
                 "dolmus:cost_per_million_prompt_tokens",
                 "Busy cost per 1M prompt tokens at --gpu-hour-cost.",
-                _per_million(s.busy_prefill_seconds * per_second, s.prompt_tokens),
+                per_million(s.busy_prefill_seconds * per_second, s.prompt_tokens),
             )
             yield gauge(
                 "dolmus:cost_per_million_generation_tokens",
                 "Busy cost per 1M generated tokens at --gpu-hour-cost.",
-                _per_million(s.busy_decode_seconds * per_second, s.generation_tokens),
+                per_million(s.busy_decode_seconds * per_second, s.generation_tokens),
             )
 
 
-def _per_million(cost: float, tokens: int) -> float:
+def per_million(cost: float, tokens: int) -> float:
     return cost / tokens * 1e6 if tokens else 0.0

@@ -20,15 +20,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.config import SpeculativeConfig, TierSpec
+from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.spec.policy import StepCosts, draft_length
 from dolmus.spec.proposer import Proposer, make_proposer
-from dolmus.structured.backend import GrammarState
 from dolmus.step import NewRequest, StepPlan, StepResult
+from dolmus.structured.backend import GrammarState
 
 logger = logging.getLogger(__name__)
 

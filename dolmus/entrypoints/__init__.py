@@ -1,1 +1,1 @@
-"""User-facing entry points: the offline LLM class and chat-template rendering."""
+"""User-facing entry points: the offline LLM class, chat-template rendering, the terminal chat."""

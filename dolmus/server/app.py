@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Header, HTTPException, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dolmus import __version__
 from dolmus.config import EngineConfig, ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
@@ -25,17 +28,23 @@ from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.outputs import RequestOutput
 from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
+from dolmus.server.live_stats import LiveStats
 from dolmus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from dolmus.server.serving import OpenAIServing
+from dolmus.server.serving import SAMPLING_DEFAULTS, OpenAIServing
+from dolmus.server.ui_files import ui_file
 
 logger = logging.getLogger(__name__)
 
-_OPEN_PATHS = ("/health", "/metrics")  # never behind the API key (probes and scrapers)
+# Never behind the API key: probes and scrapers, the page (it asks for the key), what the page
+# reads before it has one (whether a key is needed), and the same counters /metrics shows.
+_OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico", "/info", "/stats")
+_OPEN_PREFIXES = ("/ui/",)
+_LIST_TIMEOUT_S = 10.0  # the running-requests list waits at most a step or two for the engine
 
 
 class ServerState:
@@ -52,13 +61,16 @@ class ServerState:
         self.engine: AsyncEngine | EngineCoreClient | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: EngineMetrics | None = None
+        self.live: LiveStats | None = None
+        self._sampler: asyncio.Task[None] | None = None
         self.load_error: BaseException | None = None
         self.on_load_failure: Callable[[], None] | None = None
 
     def _observe_finished(self, out: RequestOutput) -> None:
         """Latency metrics of a finished request, overall, under its tier and its key's app."""
-        assert self.metrics is not None
+        assert self.metrics is not None and self.live is not None
         self.metrics.observe_finished(out)
+        self.live.observe(out)
         found = self.serving.in_flight.get(out.request_id) if self.serving is not None else None
         if found is None:
             return
@@ -88,6 +100,8 @@ class ServerState:
         metrics = EngineMetrics(self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost)
         engine.engine.grammars.on_compiled = metrics.grammar_compile.observe
         self.metrics = metrics
+        self.live = LiveStats(lambda: engine.stats, self.server_config.gpu_hour_cost)
+        self._sampler = asyncio.create_task(self.live.run())
         self.engine = engine
         self.serving = OpenAIServing(
             engine,
@@ -95,10 +109,47 @@ class ServerState:
             self.chat_template,
             self.server_config.max_waiting,
             self.server_config.max_n,
+            self.server_config.gpu_hour_cost,
         )
         logger.info(
             "model %s loaded; serving (engine core: %s)", self.model_name, self.server_config.engine_core
         )
+
+    async def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def info(self) -> dict[str, Any]:
+        """What a client needs to know before its first request (the page's settings panel)."""
+        serving = self.ready()
+        config = self.engine_config
+        spec = config.speculative_config
+        tokenizer_template = getattr(serving.tokenizer, "chat_template", None)
+        return {
+            "model": self.model_name,
+            "version": __version__,
+            "max_model_len": serving.max_model_len,
+            "chat_template": self.chat_template is not None or bool(tokenizer_template),
+            "api_key_required": self.access.needs_key,
+            "sampling_defaults": SAMPLING_DEFAULTS,
+            "kv_capacity_tokens": self.engine.stats.kv_capacity_tokens if self.engine else 0,
+            "gpu_hour_cost": self.server_config.gpu_hour_cost,
+            "engine": {
+                "dtype": config.dtype,
+                "device": config.device,
+                "quantization": config.quantization,
+                "kv_cache_dtype": config.kv_cache_dtype,
+                "block_size": config.block_size,
+                "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "speculative": None if spec is None else dataclasses.asdict(spec),
+                "engine_core": self.server_config.engine_core,
+                "tiers": list(self.access.tiers),
+            },
+        }
 
     def ready(self) -> OpenAIServing:
         if self.serving is None or self.engine is None:
@@ -119,13 +170,20 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         yield
         if not loading.done():
             loading.cancel()
-        if state.engine is not None:
-            await state.engine.shutdown()
+        await state.close()
 
     app = FastAPI(title="dolmus", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.dolmus = state
     install_handlers(app)
     app.add_middleware(GuardMiddleware, access=state.access, max_body_bytes=server_config.max_body_bytes)
+    if server_config.allowed_origins:  # added last, so outermost: preflights never meet the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server_config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Priority"],
+            max_age=600,
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -137,6 +195,49 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         state.ready()
         assert state.metrics is not None
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/info")
+    async def info() -> Response:
+        return JSONResponse(state.info())
+
+    @app.get("/stats")
+    async def stats(since: float = Query(0.0)) -> Response:
+        """Totals since start and the samples newer than `since` (unix seconds) for the charts."""
+        state.ready()
+        assert state.live is not None
+        live = state.live
+        return JSONResponse({"now": time.time(), "totals": live.totals(), "samples": live.since(since)})
+
+    @app.get("/requests")
+    async def requests() -> Response:
+        """The sequences in the engine: ids, state, tier, token counts, blocks, age (no text)."""
+        serving = state.ready()
+        assert state.engine is not None
+        try:
+            summaries = await asyncio.wait_for(state.engine.request_summaries(), _LIST_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise APIError(503, "the engine did not answer in time") from exc
+        rows = []
+        for r in summaries:
+            row = dataclasses.asdict(r)
+            row["tier"] = state.access.tier_of(r.priority).name
+            row["app"] = serving.app_of(r.request_id)
+            rows.append(row)
+        return JSONResponse({"object": "list", "data": rows})
+
+    if server_config.ui:
+
+        @app.get("/")
+        async def page() -> Response:
+            return ui_file("index.html")
+
+        @app.get("/ui/{path:path}")
+        async def ui(path: str) -> Response:
+            return ui_file(path)
+
+        @app.get("/favicon.ico")
+        async def favicon() -> Response:
+            return RedirectResponse("/ui/favicon.svg")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -225,7 +326,8 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         client = self.access.identify(headers.get("authorization"))
-        if client is None and scope["path"] not in _OPEN_PATHS:
+        path = scope["path"]
+        if client is None and path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES):
             await _send_error(
                 send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
             )

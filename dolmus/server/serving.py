@@ -25,12 +25,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dolmus.config import ServerConfig
 from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
+from dolmus.engine.engine import CHILD_SEP
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.access import Client, QuotaExceeded, charge
 from dolmus.server.errors import APIError, error_body
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
+from dolmus.server.timings import timings
 from dolmus.server.tools import (
     TOOL_CALL_OPEN,
     ToolPlan,
@@ -43,6 +45,17 @@ from dolmus.server.tools import (
 from dolmus.structured.spec import StructuredOutput
 
 _DISCONNECT_POLL_S = 0.2
+# What a request gets for a field it leaves out (the page shows these as its defaults).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "max_tokens": None,  # up to the context length
+}
 
 
 @dataclass
@@ -107,8 +120,10 @@ class OpenAIServing:
         chat_template: str | None = None,
         max_waiting: int | None = None,
         max_n: int = ServerConfig.max_n,
+        gpu_hour_cost: float | None = None,
     ) -> None:
         self.engine = engine
+        self.gpu_hour_cost = gpu_hour_cost
         self.model_name = model_name
         self.chat_template = chat_template
         self.max_waiting = max_waiting
@@ -122,6 +137,13 @@ class OpenAIServing:
         self.in_flight: dict[str, tuple[int, str]] = {}  # engine request id -> (priority, app)
         self._token_text: dict[int, str] = {}
         self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
+
+    def app_of(self, engine_request_id: str) -> str | None:
+        """The app (API key holder) of an engine request or of one of its n samples."""
+        found = self.in_flight.get(engine_request_id) or self.in_flight.get(
+            engine_request_id.rsplit(CHILD_SEP, 1)[0]
+        )
+        return found[1] if found is not None else None
 
     # -- shared validation ----------------------------------------------------------------
 
@@ -237,13 +259,13 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 n=body.n,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=0 if body.top_k is None else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
+                temperature=_or_default(body.temperature, "temperature"),
+                top_p=_or_default(body.top_p, "top_p"),
+                top_k=_or_default(body.top_k, "top_k"),
+                min_p=_or_default(body.min_p, "min_p"),
+                repetition_penalty=_or_default(body.repetition_penalty, "repetition_penalty"),
+                presence_penalty=_or_default(body.presence_penalty, "presence_penalty"),
+                frequency_penalty=_or_default(body.frequency_penalty, "frequency_penalty"),
                 seed=body.seed,
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
@@ -305,6 +327,7 @@ class OpenAIServing:
                 "model": self.model_name,
                 "choices": choices,
                 "usage": _usage(job, outputs),
+                "timings": self._timings(outputs),
             }
         )
 
@@ -356,9 +379,15 @@ class OpenAIServing:
                 logprobs = self._completion_logprobs(c, start, end, offsets[p][c.index], job.params)
                 offsets[p][c.index] += len(c.text_delta)
                 sent[p][c.index] = -1 if c.finished else end
-                yield self._completion_chunk(job, p * n + c.index, c.text_delta, logprobs, c)
+                chunk = self._completion_chunk(job, p * n + c.index, c.text_delta, logprobs, c)
+                if c.finished and not include_usage:
+                    chunk["timings"] = self._timings([out], [c])
+                yield chunk
         if include_usage:
-            yield self._chunk_envelope(job, "text_completion", [], usage=_usage(job, list(last.values())))
+            outs = list(last.values())
+            yield self._chunk_envelope(
+                job, "text_completion", [], usage=_usage(job, outs), timings=self._timings(outs)
+            )
 
     def _completion_chunk(
         self, job: _Job, index: int, text: str, logprobs: Any, c: CompletionOutput | None
@@ -448,6 +477,7 @@ class OpenAIServing:
                 "model": self.model_name,
                 "choices": choices,
                 "usage": _usage(job, outputs),
+                "timings": self._timings(outputs),
             }
         )
 
@@ -504,9 +534,17 @@ class OpenAIServing:
                         "stop_reason": c.stop_reason if done else None,
                     }
                     if delta or done and finish:
-                        yield self._chunk_envelope(job, "chat.completion.chunk", [choice], **usage_field)
+                        # timings go with the usage chunk when there is one: a client that sums
+                        # usage over chunks (Open WebUI) would count tokens twice otherwise
+                        final = done and finish and not include_usage
+                        extra = {"timings": self._timings([out], [c])} if final else {}
+                        yield self._chunk_envelope(
+                            job, "chat.completion.chunk", [choice], **usage_field, **extra
+                        )
         if include_usage and last is not None:
-            yield self._chunk_envelope(job, "chat.completion.chunk", [], usage=_usage(job, [last]))
+            yield self._chunk_envelope(
+                job, "chat.completion.chunk", [], usage=_usage(job, [last]), timings=self._timings([last])
+            )
 
     def _chat_logprobs(
         self, c: CompletionOutput, start: int, end: int, params: SamplingParams
@@ -562,6 +600,11 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from exc
         return spec
+
+    def _timings(
+        self, outputs: Sequence[RequestOutput], completions: Sequence[CompletionOutput] | None = None
+    ) -> dict[str, Any]:
+        return timings(outputs, completions, self.engine.stats, self.gpu_hour_cost)
 
     def _chunk_envelope(self, job: _Job, obj: str, choices: list[Any], **fields: Any) -> dict[str, Any]:
         """One streamed event; `fields` adds top-level keys such as `usage`."""
@@ -728,6 +771,10 @@ def _usage(job: _Job, outputs: list[RequestOutput]) -> dict[str, Any]:
             "rejected_prediction_tokens": drafted - accepted,
         }
     return usage
+
+
+def _or_default(value: Any, name: str) -> Any:
+    return SAMPLING_DEFAULTS[name] if value is None else value
 
 
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
