@@ -90,3 +90,19 @@ def test_a_dead_engine_core_turns_health_503_and_fails_requests_fast(tmp_path) -
         with pytest.raises(openai.InternalServerError) as err:  # 503, answered at once
             client.completions.create(model="stories260k", prompt="Hi", max_tokens=5)
         assert err.value.status_code == 503
+
+
+def test_a_core_that_fails_to_load_is_reported_not_waited_for() -> None:
+    """The core sends LoadFailed and exits; the client's Shutdown then had no peer on its PUSH
+    socket and its send waited forever (2 starts in 3 hung the server). Three tries."""
+    import asyncio
+
+    from dolmus.config import EngineConfig
+    from dolmus.engine.core_client import EngineCoreClient
+
+    async def start() -> None:
+        await asyncio.wait_for(EngineCoreClient(EngineConfig(max_model_len=2048)).start(), 60)
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="exceeds the model's context length"):
+            asyncio.run(start())

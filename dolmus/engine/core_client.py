@@ -49,6 +49,7 @@ from dolmus.structured.backend import GrammarCache, make_backend
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_WAIT_S = 10.0
+_SEND_WAIT_S = 1.0
 
 OutputHook = Callable[[RequestOutput], None]
 
@@ -145,8 +146,10 @@ class EngineCoreClient:
         proc = self._proc
         if proc is not None and proc.is_alive():
             try:
-                await self._inbox.send(to_core_encoder.encode(Shutdown()))
-            except zmq.ZMQError:
+                # bounded: a core that is exiting (it failed to load) has no peer left for a
+                # PUSH socket, where an unbounded send would wait forever
+                await asyncio.wait_for(self._inbox.send(to_core_encoder.encode(Shutdown())), _SEND_WAIT_S)
+            except (zmq.ZMQError, TimeoutError):
                 pass
             await asyncio.to_thread(proc.join, _SHUTDOWN_WAIT_S)
             if proc.is_alive():

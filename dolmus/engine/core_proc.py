@@ -57,6 +57,8 @@ def run_engine_core(config: EngineConfig, inbox_addr: str, outbox_addr: str, log
     except Exception as exc:
         outbox.send(from_core_encoder.encode(LoadFailed(str(exc))))
         outbox.close(linger=2000)
+        inbox.close(linger=0)
+        ctx.term()
         return
     outbox.send(from_core_encoder.encode(Ready(engine.max_model_len, engine.stats())))
     try:
