@@ -92,3 +92,35 @@ def test_a_consumer_that_falls_behind_gets_one_merged_output() -> None:
     assert len(outs) == 2 and outs[-1].finished
     assert "".join(o.outputs[0].text_delta for o in outs) == expected.text
     assert outs[-1].outputs[0].token_ids == expected.token_ids
+
+
+def test_request_list_shows_running_and_waiting_sequences() -> None:
+    from dolmus.config import EngineConfig
+
+    # one seat: the second request waits (the server's /requests reads this list)
+    core = Engine(EngineConfig(max_num_seqs=1))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    core.add_request("a", [1, 2, 3, 4, 5], params)
+    core.add_request("b", list(range(1, 40)), params, priority=1)
+    core.step()
+    rows = {r.request_id: r for r in core.request_summaries()}
+    assert rows["a"].state == "running" and rows["b"].state == "waiting"
+    assert rows["a"].prompt_tokens == 5 and rows["a"].computed_tokens == 5 and rows["a"].output_tokens == 1
+    assert rows["a"].blocks == 1 and rows["b"].blocks == 0 and rows["b"].computed_tokens == 0
+    assert [r.request_id for r in core.request_summaries()] == ["a", "b"]  # most urgent first
+    core.abort_all()
+    assert core.request_summaries() == []
+
+    async def through_the_step_thread() -> list[str]:
+        engine = AsyncEngine(Engine(EngineConfig(max_num_seqs=1)))
+        engine.start()
+        try:
+            gen = engine.generate("x", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+            await gen.__anext__()
+            states = [r.state for r in await engine.request_summaries()]
+            await gen.aclose()
+            return states
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(through_the_step_thread()) == ["running"]
