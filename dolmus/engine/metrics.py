@@ -251,18 +251,22 @@ class _StatsCollector(Collector):
         busy = s.busy_prefill_seconds + s.busy_decode_seconds
         yield counter("dolmus:engine_busy_seconds", "Wall time spent in engine steps.", busy)
         if self._cost is not None:
-            per_second = self._cost / 3600.0
+            prompt, output = cost_per_token(s, self._cost)
             yield gauge(
                 "dolmus:cost_per_million_prompt_tokens",
                 "Busy cost per 1M prompt tokens at --gpu-hour-cost.",
-                per_million(s.busy_prefill_seconds * per_second, s.prompt_tokens),
+                prompt * 1e6,
             )
             yield gauge(
                 "dolmus:cost_per_million_generation_tokens",
                 "Busy cost per 1M generated tokens at --gpu-hour-cost.",
-                per_million(s.busy_decode_seconds * per_second, s.generation_tokens),
+                output * 1e6,
             )
 
 
-def per_million(cost: float, tokens: int) -> float:
-    return cost / tokens * 1e6 if tokens else 0.0
+def cost_per_token(s: EngineStats, cost_per_hour: float) -> tuple[float, float]:
+    """The busy cost of one prompt token and of one generated token so far (0 before any)."""
+    per_second = cost_per_hour / 3600.0
+    prompt = s.busy_prefill_seconds * per_second / s.prompt_tokens if s.prompt_tokens else 0.0
+    output = s.busy_decode_seconds * per_second / s.generation_tokens if s.generation_tokens else 0.0
+    return prompt, output

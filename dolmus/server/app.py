@@ -134,7 +134,7 @@ class ServerState:
             "chat_template": self.chat_template is not None or bool(tokenizer_template),
             "api_key_required": self.access.needs_key,
             "sampling_defaults": SAMPLING_DEFAULTS,
-            "kv_capacity_tokens": self.engine.stats.kv_capacity_tokens if self.engine else 0,
+            "kv_capacity_tokens": serving.engine.stats.kv_capacity_tokens,
             "gpu_hour_cost": self.server_config.gpu_hour_cost,
             "engine": {
                 "dtype": config.dtype,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dolmus.engine.engine import EngineStats
-from dolmus.engine.metrics import per_million
+from dolmus.engine.metrics import cost_per_token
 from dolmus.outputs import RequestOutput
 
 SAMPLE_INTERVAL_S = 1.0
@@ -65,8 +65,8 @@ class LiveStats:
             "running": s.num_running,
             "waiting": s.num_waiting,
             "kv_usage": s.kv_usage,
-            "prompt_tps": (s.prompt_tokens - prev.prompt_tokens) / dt if prev is not s else 0.0,
-            "generation_tps": (s.generation_tokens - prev.generation_tokens) / dt if prev is not s else 0.0,
+            "prompt_tps": (s.prompt_tokens - prev.prompt_tokens) / dt,
+            "generation_tps": (s.generation_tokens - prev.generation_tokens) / dt,
             "prefix_hit_rate": (s.prefix_cache_hits - prev.prefix_cache_hits) / queries if queries else None,
             "preemptions": s.num_preemptions - prev.num_preemptions,
             "finished": finished,
@@ -97,14 +97,10 @@ class LiveStats:
             "busy_seconds": s.busy_prefill_seconds + s.busy_decode_seconds,
         }
         if self._cost is not None:
-            per_second = self._cost / 3600.0
-            out["cost_per_million_prompt_tokens"] = per_million(
-                s.busy_prefill_seconds * per_second, s.prompt_tokens
-            )
-            out["cost_per_million_generation_tokens"] = per_million(
-                s.busy_decode_seconds * per_second, s.generation_tokens
-            )
-            out["cost_total"] = (s.busy_prefill_seconds + s.busy_decode_seconds) * per_second
+            prompt, output = cost_per_token(s, self._cost)
+            out["cost_per_million_prompt_tokens"] = prompt * 1e6
+            out["cost_per_million_generation_tokens"] = output * 1e6
+            out["cost_total"] = (s.busy_prefill_seconds + s.busy_decode_seconds) * self._cost / 3600.0
         return out
 
     def since(self, t: float) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from dolmus.engine.engine import EngineStats
-from dolmus.outputs import CompletionOutput, RequestOutput
+from dolmus.engine.metrics import cost_per_token
+from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def timings(
@@ -59,13 +60,12 @@ def timings(
         out["draft_n"] = drafted
         out["draft_n_accepted"] = sum(m.num_accepted_tokens for m in metrics)
     if stats is not None and cost_per_hour is not None:
-        per_prompt = stats.busy_prefill_seconds / stats.prompt_tokens if stats.prompt_tokens else 0.0
-        per_output = stats.busy_decode_seconds / stats.generation_tokens if stats.generation_tokens else 0.0
-        out["cost"] = (prompt_n * per_prompt + predicted_n * per_output) * cost_per_hour / 3600.0
+        per_prompt, per_output = cost_per_token(stats, cost_per_hour)
+        out["cost"] = prompt_n * per_prompt + predicted_n * per_output
     return out
 
 
-def _generation_seconds(m: Any) -> float:
+def _generation_seconds(m: RequestMetrics) -> float:
     """First token to last (llama.cpp's predicted_ms counts the decode after the prompt)."""
     if m.ttft is None or m.e2e_latency is None:
         return 0.0
