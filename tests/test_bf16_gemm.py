@@ -44,6 +44,23 @@ def test_tile_matmul_keeps_leading_dims_and_takes_strided_rows() -> None:
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m", [33, 48, 100])
+def test_many_rows_in_chunks_of_k_have_the_bits_of_whole_k_passes(m: int, gated: bool) -> None:
+    """Past 32 rows the kernel goes through K in chunks, parking each block's float sums between
+    them; each row of the result has the bits the whole-K passes (32 rows or fewer) give it."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 160, 896 + 32 * 3 + 5  # 32 steps: chunks of 8, and inputs past the last step
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    packed = bf16_gemm.pack(w, gated=gated)
+    bias = bf16_gemm.gated_bias(b) if gated else b
+    many = bf16_gemm.matmul(x, packed, n, bias, gated=gated)
+    few = torch.cat([bf16_gemm.matmul(x[i : i + 32], packed, n, bias, gated=gated) for i in range(0, m, 32)])
+    assert torch.equal(many, few)
+
+
 @pytest.mark.parametrize("m", [1, 7, 32, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_gated_weight_ends_in_silu_and_mul_exactly_as_the_separate_kernel(m: int, bias: bool) -> None:

@@ -62,13 +62,32 @@ void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float
     int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP;
     uint16_t *copy;
     if (!(x = tile_rows(x, M, K, &copy))) return;
+    int chunked = M > 32;
 #pragma omp parallel
     {
         configure(M < 16 ? (int)M : 16);
+        float *acc = chunked ? aligned_alloc(64, (size_t)round_up(M, 32) * 32 * sizeof(float)) : NULL;
+        int64_t ldy = gated ? N / 2 : N;
+        if (chunked) {
+            /* Panels handed out two at a time: a thread that loses its core for a while (the API
+             * server and the clients share the cores) leaves its panels to the other instead of
+             * holding the step at the barrier. */
+#pragma omp for schedule(dynamic, 2)
+            for (int64_t p = 0; p < panels; p++) {
+                const uint16_t *pp = packed + p * steps * 2 * TILE;
+                if (acc)
+                    panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc);
+                else /* no memory for the sums: whole-K passes */
+                    panel_product(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+            }
+        } else {
+            /* Few rows: each thread one contiguous stretch of the weights, the stream the
+             * prefetchers follow best. */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++)
-            panel_product(packed + p * steps * 2 * TILE, steps, x, M, bias, y, gated ? N / 2 : N, p * PANEL, N,
-                          (int)gated, 1);
+            for (int64_t p = 0; p < panels; p++)
+                panel_product(packed + p * steps * 2 * TILE, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+        }
+        free(acc);
         _tile_release();
     }
     free(copy);
