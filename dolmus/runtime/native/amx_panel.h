@@ -84,13 +84,34 @@ static inline const uint16_t *tile_rows(const uint16_t *x, int64_t M, int64_t K,
     return padded;
 }
 
+/* Steps [k0, k1) of one block of rows (xa: its first row, rows kp values apart; a second A tile
+ * 16 rows on when `two`) times panel pp, added to sum tiles 0-1 (and 2-3). */
+static inline void block_steps(const uint16_t *pp, const uint16_t *xa, int64_t kp, int64_t k0, int64_t k1,
+                               int two, int prefetch) {
+    int64_t stride = kp * (int64_t)sizeof(uint16_t);
+    for (int64_t kb = k0; kb < k1; kb++) {
+        const uint16_t *tile = pp + kb * 2 * TILE;
+        if (prefetch) prefetch_stream(tile, 32);
+        _tile_loadd(6, tile, 64);
+        _tile_loadd(7, tile + TILE, 64);
+        _tile_loadd(4, xa + kb * KSTEP, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xa + 16 * kp + kb * KSTEP, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* Rows of x (from tile_rows, after configure) times one panel pp of `steps` steps, outputs
  * [n0, n0 + 32) of y (or n0 / 2 .. when gated). Activation rows go in blocks of 32 (two A
  * tiles) per pass, so the panel is read from memory once and from cache after. */
 static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t M,
                                  const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N,
                                  int gated, int prefetch) {
-    int64_t kp = steps * KSTEP, mp = M < 16 ? M : round_up(M, 16), stride = kp * (int64_t)sizeof(uint16_t);
+    int64_t kp = steps * KSTEP, mp = M < 16 ? M : round_up(M, 16);
     float t0[16 * 16], t1[16 * 16];
     for (int64_t m0 = 0; m0 < mp; m0 += 32) {
         int two = mp - m0 > 16;
@@ -100,21 +121,7 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
             _tile_zero(2);
             _tile_zero(3);
         }
-        const uint16_t *xa = x + m0 * kp;
-        for (int64_t kb = 0; kb < steps; kb++) {
-            const uint16_t *tile = pp + kb * 2 * TILE;
-            if (prefetch) prefetch_stream(tile, 32);
-            _tile_loadd(6, tile, 64);
-            _tile_loadd(7, tile + TILE, 64);
-            _tile_loadd(4, xa + kb * KSTEP, stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-                _tile_loadd(5, xa + 16 * kp + kb * KSTEP, stride);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        block_steps(pp, x + m0 * kp, kp, 0, steps, two, prefetch);
         int64_t left = M - m0;
         _tile_stored(0, t0, 64);
         _tile_stored(1, t1, 64);
@@ -127,7 +134,6 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
         }
     }
 }
-
 
 /* Sums of a panel's 32-row blocks, kept between chunks of K by panel_product_chunked: block b's
  * four 16 x 16 float tiles at acc + 1024 b (rows 0-15 by outputs 0-15 / 16-31, then rows 16-31). */
@@ -143,7 +149,7 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
 static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t M,
                                          const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N,
                                          int gated, float *acc) {
-    int64_t kp = steps * KSTEP, mp = round_up(M, 16), stride = kp * (int64_t)sizeof(uint16_t);
+    int64_t kp = steps * KSTEP, mp = round_up(M, 16);
     for (int64_t k0 = 0; k0 < steps; k0 += CHUNK_STEPS) {
         int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
         for (int64_t m0 = 0; m0 < mp; m0 += 32) {
@@ -162,21 +168,7 @@ static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, cons
                     _tile_loadd(3, c + 768, 64);
                 }
             }
-            const uint16_t *xa = x + m0 * kp;
-            for (int64_t kb = k0; kb < k1; kb++) {
-                const uint16_t *tile = pp + kb * 2 * TILE;
-                if (m0 == 0) prefetch_stream(tile, 32);
-                _tile_loadd(6, tile, 64);
-                _tile_loadd(7, tile + TILE, 64);
-                _tile_loadd(4, xa + kb * KSTEP, stride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, xa + 16 * kp + kb * KSTEP, stride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            block_steps(pp, x + m0 * kp, kp, k0, k1, two, m0 == 0);
             _tile_stored(0, c, 64);
             _tile_stored(1, c + 256, 64);
             if (two) {
