@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dolmus.runtime import huge_pages
 from dolmus.runtime.native import library
 
 PANEL, STEP = 32, 32  # outputs per packed panel, inputs per tile step (bf16_gemm.c)
@@ -23,7 +24,7 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
             raise ValueError(f"a gated weight needs halves of a multiple of {GATED_MULTIPLE} rows, got {n}")
         weight = weight.view(2, n // 2 // GATED_MULTIPLE, GATED_MULTIPLE, k).transpose(0, 1).reshape(n, k)
     weight = weight.contiguous()
-    packed = torch.empty(-(-n // PANEL) * PANEL * -(-k // STEP) * STEP, dtype=torch.bfloat16)
+    packed = huge_pages.empty(-(-n // PANEL) * PANEL * -(-k // STEP) * STEP, torch.bfloat16)
     library().dolmus_bf16_pack(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
