@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dolmus.runtime import huge_pages
 from dolmus.runtime.native import amx_ready, library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
@@ -39,7 +40,7 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     n, k = codes.shape
     pad = _padded_rows(n) - n
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
-    packed = codes.reshape(-1, BLOCK, k).transpose(1, 2).contiguous()
+    packed = huge_pages.copy(codes.reshape(-1, BLOCK, k).transpose(1, 2))
     return packed, torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
 
 
@@ -71,7 +72,7 @@ def pack_int4(
     c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
     # output o = 32s + 16h + 4l + i, input 2p + e  ->  byte [block, p, l, h, i, e], nibble s
     c = c.reshape(-1, 2, 2, 4, 4, k // 2, 2)  # [block, s, h, l, i, p, e]
-    packed = (c[:, 0] | (c[:, 1] << 4)).permute(0, 4, 2, 1, 3, 5).reshape(-1, k // 2, BLOCK).contiguous()
+    packed = huge_pages.copy((c[:, 0] | (c[:, 1] << 4)).permute(0, 4, 2, 1, 3, 5).reshape(-1, k // 2, BLOCK))
     zeros = _by_group(zero, pad)
     return packed, _by_group(scale, pad), None if not zeros.any() else zeros
 

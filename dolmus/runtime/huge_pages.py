@@ -54,3 +54,10 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     start = -raw.data_ptr() % HUGE_PAGE
     madvise(raw.data_ptr() + start, size, _MADV_HUGEPAGE)  # a refusal leaves small pages: still correct
     return raw[start : start + nbytes].view(dtype)
+
+
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor on huge pages (where empty() gives them), same shape."""
+    out = empty(t.numel(), t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
