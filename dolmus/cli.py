@@ -73,7 +73,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="step token budget (default: 512 CPU, 2048 GPU)",
+        help="step token budget (default: 512 CPU, 2048 where every linear runs on AMX tiles, 2048 GPU)",
     )
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching

@@ -27,10 +27,13 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
 
-# Token budget of one step. On this project's CPUs bf16 GEMMs are most efficient around
-# M=512 (measured: workload A of benchmarks/offline_throughput.py ran ~6% faster at 512 than
-# at 256, 1024 or 2048), and smaller chunks keep decodes flowing during long prefills.
+# Token budget of one step. On this project's CPUs oneDNN's bf16 products, the quantized
+# kernels and PyTorch's ops are most efficient around M=512 (measured: workload A of
+# benchmarks/offline_throughput.py ran ~6% faster at 512 than at 256, 1024 or 2048), and
+# smaller chunks keep decodes flowing during long prefills. Where every linear layer runs on
+# our AMX tile kernel the runner asks for AMX_CPU_BATCHED_TOKENS instead (model_runner.py).
 DEFAULT_CPU_BATCHED_TOKENS = 512
+AMX_CPU_BATCHED_TOKENS = 2048
 DEFAULT_GPU_BATCHED_TOKENS = 2048
 
 _DTYPES = {
@@ -178,7 +181,8 @@ class EngineConfig:
     kv_cache_memory: float | int | None = None  # bytes (int > 1) or fraction of free memory
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 128  # most requests running at once
-    max_num_batched_tokens: int | None = None  # step token budget; None: 512 on CPU, 2048 on GPU
+    # step token budget; None: 512 on CPU (2048 where linears run on AMX tiles), 2048 on GPU
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
@@ -244,9 +248,13 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         return device
 
-    def resolve_batched_tokens(self, device: torch.device) -> int:
+    def resolve_batched_tokens(self, device: torch.device, suited: int | None = None) -> int:
+        """The step token budget: the one asked for, else what the loaded model's kernels suit
+        (`suited`, from the runner), else the device's default."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
+        if suited is not None:
+            return suited
         return DEFAULT_GPU_BATCHED_TOKENS if device.type == "cuda" else DEFAULT_CPU_BATCHED_TOKENS
 
     def resolve_dtype(

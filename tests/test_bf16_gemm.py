@@ -102,3 +102,18 @@ def test_a_bf16_model_runs_its_linears_on_tiles_and_agrees_with_pytorch(model_di
         b = plain.engine.prompt_logprobs(ids, chunk_size=chunk).float()
         assert (a.exp() * (a - b)).sum(-1).mean() < 1e-3
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def test_a_model_all_on_tiles_takes_steps_of_2048_tokens_unless_told(model_dir) -> None:
+    """The tile kernel's cost per row stays flat past 512 rows, so the runner asks for the larger
+    step budget; oneDNN's products (no prepacked tiles) keep the CPU default, and an explicit
+    budget wins."""
+    assert LLM(model=str(model_dir), dtype="bfloat16").engine.scheduler.max_num_batched_tokens == 2048
+    assert (
+        LLM(
+            model=str(model_dir), dtype="bfloat16", native_kernels=False
+        ).engine.scheduler.max_num_batched_tokens
+        == 512
+    )
+    told = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=300)
+    assert told.engine.scheduler.max_num_batched_tokens == 300

@@ -141,7 +141,7 @@ class Engine:
             )
             self.max_model_len = capacity
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.resolve_batched_tokens(self.device)
+        budget = config.resolve_batched_tokens(self.device, self.executor.info.step_tokens)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
         self.scheduler = Scheduler(

@@ -26,6 +26,7 @@ class RunnerInfo:
     num_blocks: int  # KV blocks every rank holds
     weight_bytes: int
     kv_bytes_per_token: int
+    step_tokens: int | None = None  # the step token budget its kernels suit (None: the device's default)
 
 
 class Executor(ABC):

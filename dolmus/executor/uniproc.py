@@ -12,8 +12,9 @@ from dolmus.step import StepPlan, StepResult
 class InProcessExecutor(Executor):
     def __init__(self, spec: RunnerSpec) -> None:
         self.runner = ModelRunner.from_spec(spec)
+        runner = self.runner
         self.info = RunnerInfo(
-            self.runner.num_blocks, self.runner.weight_bytes, self.runner.kv_bytes_per_token
+            runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token, runner.step_tokens
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
