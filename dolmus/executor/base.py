@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dolmus.step import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from dolmus.runtime.model_runner import ModelRunner
 
 
 class WorkerDiedError(RuntimeError):
@@ -27,6 +31,10 @@ class RunnerInfo:
     weight_bytes: int
     kv_bytes_per_token: int
     step_tokens: int | None = None  # the step token budget its kernels suit (None: the device's default)
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> RunnerInfo:
+        return cls(runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token, runner.step_tokens)
 
 
 class Executor(ABC):

@@ -12,10 +12,7 @@ from dolmus.step import StepPlan, StepResult
 class InProcessExecutor(Executor):
     def __init__(self, spec: RunnerSpec) -> None:
         self.runner = ModelRunner.from_spec(spec)
-        runner = self.runner
-        self.info = RunnerInfo(
-            runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token, runner.step_tokens
-        )
+        self.info = RunnerInfo.of(self.runner)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)

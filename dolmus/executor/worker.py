@@ -49,7 +49,7 @@ def worker_main(
     except Exception as exc:  # reported to the engine, which raises it with this message
         results.send_multipart((b"error", pickle.dumps(("error", rank, str(exc)))))
         return
-    info = RunnerInfo(runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token, runner.step_tokens)
+    info = RunnerInfo.of(runner)
     results.send_multipart((b"ready", pickle.dumps(("ready", rank, info))))
     while True:
         kind, payload = plans.recv_multipart()

@@ -39,18 +39,23 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return fn
 
 
+def anonymous(nbytes: int) -> torch.Tensor:
+    """`nbytes` of private anonymous memory as a uint8 tensor: zero pages that become resident
+    on first touch (shared memory would follow another THP setting). The tensor, and any view
+    of it, keeps the mapping alive."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor on huge pages where the size (>= 2 MiB) and the system
     allow; else torch.empty. The memory is released with the last tensor viewing it."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     madvise = _madvise()
     if nbytes < HUGE_PAGE or madvise is None:
         return torch.empty(numel, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    # Private anonymous memory (shared memory follows another THP setting), one page more than
-    # needed so a 2 MiB-aligned stretch fits; the tensor keeps the mapping alive.
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)
+    raw = anonymous(size + HUGE_PAGE)  # one page more, so a 2 MiB-aligned stretch fits
     start = -raw.data_ptr() % HUGE_PAGE
     madvise(raw.data_ptr() + start, size, _MADV_HUGEPAGE)  # a refusal leaves small pages: still correct
     return raw[start : start + nbytes].view(dtype)

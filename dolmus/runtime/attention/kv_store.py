@@ -10,9 +10,10 @@ head_dim 64 it holds ~1.9x the tokens of bf16 in the same bytes.
 from __future__ import annotations
 
 import math
-import mmap
 
 import torch
+
+from dolmus.runtime import huge_pages
 
 _CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # fp8 codes live in uint8 storage: CPU index_copy_ has no float8 kernel.
@@ -32,9 +33,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # frombuffer keeps `region` alive as long as the tensor (or a view of it) lives
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    return huge_pages.anonymous(nbytes).view(dtype).view(shape)
 
 
 class PagedKV:

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "amx_panel.h"
+#include "bf16_simd.h"
 
 /* Rows go through the panels in stretches of about this many bytes of activations, so a stretch
  * stays in L2 while every panel passes over it (the panels, 8.7 MB for a 0.5B model's down
@@ -35,8 +36,6 @@
  * every panel once they outgrew L2: 1024 rows cost 2.4x 512 rows, and a 2048-token step budget
  * was 1.8x slower than 512 over the same prompts; now the same. */
 #define SUPER_BYTES (1 << 20)
-#include "bf16_simd.h"
-
 
 /* w [N][K] bf16 -> P (above), zero padded to whole panels and steps. */
 void dolmus_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K) {
@@ -63,18 +62,7 @@ void dolmus_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
 /* Linux hands out AMX state only to processes that ask: 1 when tiles may be used. */
 int dolmus_amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-/* y = x [M][K] times the packed weight: [M][N], or [M][N / 2] when gated (N % 32 == 0 then). */
-static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                      int64_t M, int64_t N, int64_t K, int64_t gated);
-
-void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t M, int64_t N, int64_t K, int64_t gated) {
-    int64_t kp = round_up(K, KSTEP), rows = SUPER_BYTES / (kp * (int64_t)sizeof(uint16_t)) / 32 * 32;
-    if (rows < 64) rows = 64; /* fewer rows per pass would stream the panels too often */
-    for (int64_t m0 = 0; m0 < M; m0 += rows)
-        gemm_rows(x + m0 * K, packed, bias, y + m0 * (gated ? N / 2 : N), M - m0 < rows ? M - m0 : rows, N, K, gated);
-}
-
+/* One stretch of rows (dolmus_bf16_gemm_amx) times every panel. */
 static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int64_t gated) {
     int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP;
@@ -109,6 +97,15 @@ static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bi
         _tile_release();
     }
     free(copy);
+}
+
+/* y = x [M][K] times the packed weight: [M][N], or [M][N / 2] when gated (N % 32 == 0 then). */
+void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, int64_t gated) {
+    int64_t kp = round_up(K, KSTEP), rows = SUPER_BYTES / (kp * (int64_t)sizeof(uint16_t)) / 32 * 32;
+    if (rows < 64) rows = 64; /* fewer rows per pass would stream the panels too often */
+    for (int64_t m0 = 0; m0 < M; m0 += rows)
+        gemm_rows(x + m0 * K, packed, bias, y + m0 * (gated ? N / 2 : N), M - m0 < rows ? M - m0 : rows, N, K, gated);
 }
 
 #else
