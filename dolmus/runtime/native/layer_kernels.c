@@ -161,6 +161,18 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     }
 }
 
+uint16_t dolmus_silu_table[65536 + 1];
+
+/* Fills dolmus_silu_table (bf16_simd.h) when the library loads, 16 entries at a time. */
+__attribute__((constructor)) static void fill_silu_table(void) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int b = 0; b < 65536; b += 16) {
+        __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_set1_epi32(b), lanes), 16));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        store_bf16x16(dolmus_silu_table + b, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    }
+}
+
 /* out = bf16(silu(gate)) * up, rounded to bf16: PyTorch's bf16 order. x: [rows][2 * cols]
  * (gate, then up, as the fused gate/up projection emits them); out: [rows][cols].
  * cols % 16 == 0. Work goes in spans of 512 columns, so one wide row can use both cores. */
