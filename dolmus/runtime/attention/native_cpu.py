@@ -1,25 +1,84 @@
 """The torch backend with decodes on our C kernel (bf16 on an AVX-512 BF16 CPU, float32 on an
-AVX2 one).
+AVX2 one), and bf16 prefills on AMX tiles where the CPU has them.
 
-The kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads each sequence's blocks
+The decode kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads each sequence's blocks
 of a plain cache in place: no gathers, no padding, one call per decode group (~3x faster than gather +
-SDPA at batch 1, ~5x at 32 sequences). Prefills, quantized caches and shapes the kernel does
-not take go through SDPA as in the torch backend.
+SDPA at batch 1, ~5x at 32 sequences). The prefill kernel (prefill_attention.c) takes every
+prompt chunk of the step in one call, also from the cache in place (~2x faster than SDPA on a
+128-token prompt). Quantized caches and shapes the kernels do not take go through SDPA as in
+the torch backend.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dolmus.runtime.attention.backend import register_backend
+from dolmus.runtime import native
+from dolmus.runtime.attention.backend import BatchLayout, register_backend
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.attention.torch_sdpa import DecodeGroup, TorchSDPABackend
+from dolmus.runtime.attention.torch_sdpa import DecodeGroup, PrefillTable, SDPAMetadata, TorchSDPABackend
 from dolmus.runtime.native import ops as native_ops
+
+
+@functools.cache
+def _amx() -> bool:
+    return native.amx_ready()
 
 
 @register_backend
 class NativeCPUBackend(TorchSDPABackend):
     name = "native"
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> SDPAMetadata:
+        meta = super().build_metadata(layout, device, dtype)
+        nd = layout.num_decodes
+        if meta.prefills and dtype == torch.bfloat16 and device.type == "cpu" and _amx():
+            lens, contexts = layout.query_lens[nd:], layout.context_lens[nd:]
+            blocks = int((contexts + lens).max()) // layout.block_size + 1
+            meta.prefill_table = PrefillTable(
+                block_ids=layout.block_table[nd:, :blocks].contiguous(),
+                starts=layout.query_start_loc[nd:-1].contiguous(),
+                lens=lens.contiguous(),
+                contexts=contexts.contiguous(),
+            )
+        return meta
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: PagedKV,
+        meta: SDPAMetadata,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        table, head_dim = meta.prefill_table, q.shape[2]
+        if (
+            table is not None
+            and type(kv_cache) is PagedKV  # not a quantized cache
+            and q.dtype == kv_cache.data.dtype == torch.bfloat16
+            and head_dim % 32 == 0
+            and head_dim <= 128
+            and q.stride(2) == 1
+            and q.stride(1) == head_dim
+            and native_ops.prefill_attention(
+                q,
+                kv_cache.data[0],
+                kv_cache.data[1],
+                table.block_ids,
+                table.starts,
+                table.lens,
+                table.contexts,
+                out,
+                meta.block_size,
+                scale,
+            )
+        ):
+            return
+        super()._prefills(q, k, v, kv_cache, meta, out, scale)
 
     def _decode(
         self,

@@ -45,11 +45,22 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillTable:
+    """Every prefill chunk of the step at once, for a kernel that takes them in one call."""
+
+    block_ids: torch.Tensor  # [num_prefills, blocks] each chunk's blocks, context and chunk
+    starts: torch.Tensor  # [num_prefills] int64: first token in the flat batch
+    lens: torch.Tensor  # [num_prefills] int64: tokens in the chunk
+    contexts: torch.Tensor  # [num_prefills] int64: tokens cached before the chunk
+
+
+@dataclass
 class SDPAMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    prefill_table: PrefillTable | None = None  # set by backends with a one-call prefill kernel
 
 
 @register_backend
@@ -114,6 +125,20 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         for g in meta.decode_groups:
             self._decode(q, kv_cache, g, out, meta.block_size, scale)
+        self._prefills(q, k, v, kv_cache, meta, out, scale)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: PagedKV,
+        meta: SDPAMetadata,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Attend every prefill chunk (writes their rows of `out`): one SDPA call each."""
         for seq in meta.prefills:
             s, n = seq.query_start, seq.query_len
             if seq.block_ids is None:
@@ -134,7 +159,6 @@ class TorchSDPABackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[s : s + n] = res.squeeze(0).transpose(0, 1)
-        return out.view(num_tokens, num_heads * head_dim)
 
     def _decode(
         self,

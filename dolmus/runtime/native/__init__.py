@@ -8,7 +8,9 @@
 - quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
   quant_kernels.c's products);
 - decode_step.c: a whole decode step of a Llama-family model, those kernels back to back
-  (decode_step.py, runtime/models/llama_decode.py).
+  (decode_step.py, runtime/models/llama_decode.py);
+- prefill_attention.c: prompt chunks' attention over the paged KV cache on AMX tiles
+  (attention/native_cpu.py).
 
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
@@ -61,7 +63,14 @@ class _Spec:
 
 _AVX512 = _Spec(
     "dolmus-kernels",
-    ("quant_kernels.c", "layer_kernels.c", "bf16_gemm.c", "quant_amx.c", "decode_step.c"),
+    (
+        "quant_kernels.c",
+        "layer_kernels.c",
+        "bf16_gemm.c",
+        "quant_amx.c",
+        "decode_step.c",
+        "prefill_attention.c",
+    ),
     ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     {
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -86,6 +95,11 @@ _AVX512 = _Spec(
         "dolmus_amx_quant_usable": [_i64, _i64, _i64, _i64],
         # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        # (q, q_stride, k_cache, v_cache, block_ids, nb, starts, lens, contexts, nseq, out, out_stride,
+        #  hq, hkv, d, bs, scale)
+        "dolmus_prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
+        + [_i64] * 4
+        + [_f32],
     },
     headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h"),
 )
@@ -110,7 +124,11 @@ _AVX2 = _Spec(
 )
 LIBRARIES = (_AVX512, _AVX2)
 # every other kernel returns nothing
-_RETURNS = {"dolmus_amx_ready": ctypes.c_int, "dolmus_amx_quant_usable": ctypes.c_int}
+_RETURNS = {
+    "dolmus_amx_ready": ctypes.c_int,
+    "dolmus_amx_quant_usable": ctypes.c_int,
+    "dolmus_prefill_attention": ctypes.c_int,
+}
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

@@ -1,6 +1,7 @@
 """Python faces of layer_kernels.c (bf16 tensors) and layer_kernels_f32.c (float32 tensors):
-each calls the kernel for its tensors' dtype. Callers check the library, dtype and layout
-first (layers/ops.py, attention/native_cpu.py)."""
+each calls the kernel for its tensors' dtype (prefill attention: prefill_attention.c, bf16 on
+AMX). Callers check the library, dtype and layout first (layers/ops.py,
+attention/native_cpu.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,50 @@ def decode_attention(
         block_size,
         scale,
     )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    contexts: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> bool:
+    """Prompt chunks attend causally to the cache they were just written to, on AMX tiles
+    (prefill_attention.c); writes out [tokens, Hq, D]. False when the kernel ran out of memory
+    (out then partly written).
+
+    q [tokens, Hq, D] and out bf16, rows may be strided, heads contiguous; caches [slots, Hkv, D]
+    contiguous bf16; block_ids [nseq, num_blocks], starts/lens/contexts [nseq] int64 (each
+    sequence's first token in q, its token count, its tokens already cached before them);
+    D % 32 == 0, D <= 128."""
+    _, hq, d = q.shape
+    block_ids = block_ids.contiguous()
+    status = library().dolmus_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_ids.data_ptr(),
+        block_ids.shape[1],
+        starts.data_ptr(),
+        lens.data_ptr(),
+        contexts.data_ptr(),
+        starts.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        hq,
+        k_cache.shape[1],
+        d,
+        block_size,
+        scale,
+    )
+    return status == 0
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
