@@ -100,6 +100,24 @@ def test_streamed_text_equals_non_streamed(client: openai.OpenAI) -> None:
     assert "".join(streamed) == chat_whole.choices[0].message.content
 
 
+def test_a_token_mid_character_still_streams_a_chunk(llama_dir, tmp_path) -> None:
+    """A random-weight model over the default byte-fallback vocabulary writes many bytes of
+    unfinished characters. A token whose text is held back still gets its chunk, with empty text
+    and its logprob, as vLLM streams (the API server merges tokens that arrive together)."""
+    with RemoteServer(
+        "--model", str(llama_dir), "--served-model-name", "random", log=tmp_path / "log"
+    ) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        kwargs = dict(model="random", prompt=[5, 6, 7], max_tokens=200, temperature=1.0, seed=7, logprobs=1)
+        kwargs["extra_body"] = {"ignore_eos": True}
+        whole = client.completions.create(**kwargs)
+        chunks = [c for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices]
+    assert all(c.logprobs.tokens for c in chunks)  # no chunk without a token
+    assert sum(len(c.logprobs.tokens) for c in chunks) == 200
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    assert any(c.text == "" for c in chunks)
+
+
 def test_stream_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(

@@ -373,7 +373,9 @@ class OpenAIServing:
             last[p] = out
             for c in out.outputs:
                 done = sent[p][c.index] < 0
-                if done or not (c.text_delta or c.finished):
+                # Every new token gets its chunk, its text empty while held back (the middle of
+                # a character), as vLLM streams: clients see each token when it is made.
+                if done or not (c.text_delta or c.finished or len(c.token_ids) > sent[p][c.index]):
                     continue
                 start, end = sent[p][c.index], len(c.token_ids)
                 logprobs = self._completion_logprobs(c, start, end, offsets[p][c.index], job.params)
@@ -514,13 +516,14 @@ class OpenAIServing:
         async for _, out in self._stream(job):
             last = out
             for c in out.outputs:
-                if sent[c.index] < 0 or not (c.text_delta or c.finished):
+                if sent[c.index] < 0 or not (c.text_delta or c.finished or len(c.token_ids) > sent[c.index]):
                     continue
                 start, end = sent[c.index], len(c.token_ids)
                 sent[c.index] = -1 if c.finished else end
                 logprobs = self._chat_logprobs(c, start, end, job.params)
                 if tool_streams is None:
-                    deltas = [{"content": c.text_delta}] if c.text_delta else []
+                    # empty content while the text is held back; a last chunk without text has none
+                    deltas = [{"content": c.text_delta}] if c.text_delta or not c.finished else []
                     finish = c.finish_reason
                 else:
                     deltas, finish = tool_streams[c.index].feed(c.text_delta, c.finish_reason)
