@@ -116,6 +116,18 @@ def test_rms_norm_kernel_equals_pytorch(rows: int, size: int) -> None:
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("rows", (1, 17, 300))
+def test_residual_add_and_norm_in_one_pass_equal_the_two_kernels(rows: int) -> None:
+    """The fused kernel leaves PyTorch's bf16 sum in the stream and the norm kernel's output."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(896, generator=gen).bfloat16()
+    x, residual = (torch.randn(2, rows, 896, generator=gen) * 3).bfloat16()
+    stream = residual.clone()
+    got = native_ops.add_rms_norm(x, stream, weight, 1e-6)
+    assert torch.equal(stream, residual + x)
+    assert torch.equal(got, native_ops.rms_norm(residual + x, weight, 1e-6))
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 64), (14, 2, 64), (4, 1, 128)]
 )

@@ -17,3 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place (the residual stream's add), then the norm of the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,4 +1,5 @@
-"""The small per-layer kernels (RMSNorm, rotary, SiLU-and-multiply) as one table, chosen at load.
+"""The small per-layer kernels (RMSNorm, alone or after the residual add, rotary,
+SiLU-and-multiply) as one table, chosen at load.
 
 `TORCH_OPS` computes with PyTorch's ops in transformers' rounding order; `NATIVE_OPS` calls
 our C kernels (one call for three to five ops: bf16 on an AVX-512 BF16 CPU, float32 on an
@@ -24,6 +25,14 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     # Statistics in fp32, cast back, then the weight: transformers' order, so bf16 results
     # round the same way. F.rms_norm fuses the middle into one kernel.
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x in place (the stream's bf16 add), then RMSNorm of the sum."""
+    residual.add_(x)
+    return torch_rms_norm(residual, weight, eps)
 
 
 def torch_rotary(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
@@ -54,6 +63,21 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return torch_rms_norm(x, weight, eps)
 
 
+def native_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if (
+        x.dtype == residual.dtype == weight.dtype == torch.bfloat16
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and x.shape == residual.shape
+        and x.shape[-1] % 16 == 0
+    ):
+        return native_ops.add_rms_norm(x, residual, weight, eps)  # one pass instead of two
+    residual.add_(x)
+    return native_rms_norm(residual, weight, eps)
+
+
 def native_rotary(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
     tokens, _, dim = x.shape
     cos, sin = cos_sin
@@ -79,9 +103,11 @@ def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class LayerOps:
     name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, residual, weight, eps): residual += x in place, returns RMSNorm(residual)
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     rotary: Callable[[torch.Tensor, CosSin], torch.Tensor]  # may rotate in place
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # [T, 2F] (gate, up) -> [T, F]
 
 
-TORCH_OPS = LayerOps("torch", torch_rms_norm, torch_rotary, torch_silu_and_mul)
-NATIVE_OPS = LayerOps("native", native_rms_norm, native_rotary, native_silu_and_mul)
+TORCH_OPS = LayerOps("torch", torch_rms_norm, torch_add_rms_norm, torch_rotary, torch_silu_and_mul)
+NATIVE_OPS = LayerOps("native", native_rms_norm, native_add_rms_norm, native_rotary, native_silu_and_mul)

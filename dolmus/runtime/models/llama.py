@@ -160,10 +160,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, method, parallel, ops)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: CosSin,
+        kv_cache: PagedKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, residual None);
+        residual: the stream before it. Returns this layer's MLP output and the stream before it:
+        each residual add is done in place by the norm that follows it (one pass, as vLLM's
+        fused_add_rms_norm), with the bits of `x + residual` then the norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -220,16 +234,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         cos_sin = self.model.rotary.lookup(positions)
         captured = []
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
-            if i in self.capture_layers:
-                captured.append(x)
-            x = layer(x, cos_sin, cache, meta)
+            if i in self.capture_layers:  # the stream entering layer i (layers add to it in place)
+                captured.append(x.clone() if residual is None else x + residual)
+            x, residual = layer(x, residual, cos_sin, cache, meta)
         if self.capture_layers:
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)
-        return self.model.norm(x)
+        return self.model.norm(x) if residual is None else self.model.norm.forward_add(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

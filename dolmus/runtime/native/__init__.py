@@ -2,8 +2,9 @@
 
 `library()`, for CPUs with AVX-512 (BF16) and bf16 models:
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
-- layer_kernels.c: RMSNorm, rotary embedding, SiLU-and-multiply, and decode attention over
-  the paged KV cache (layers/norm.py, models/llama.py, attention/torch_sdpa.py);
+- layer_kernels.c: RMSNorm (alone or after the residual add), rotary embedding,
+  SiLU-and-multiply, and decode attention over the paged KV cache (layers/norm.py,
+  models/llama.py, attention/native_cpu.py);
 - bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
 - quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
   quant_kernels.c's products);
@@ -81,6 +82,8 @@ _AVX512 = _Spec(
         # (packed, scale, zero or NULL, out [K][n1 - n0], n0, n1, K, N, group)
         "dolmus_int8g_dequant_t": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
         "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
+        # (x, residual (updated in place), weight, out, rows, cols, eps)
+        "dolmus_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
         # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
         "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
         "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],

@@ -26,6 +26,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, rounded to bf16), then RMSNorm of it; all bf16 and contiguous
+    [..., H], H % 16 == 0."""
+    out = torch.empty_like(x)
+    cols = x.shape[-1]
+    library().dolmus_add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps
+    )
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
