@@ -45,14 +45,18 @@ def test_tile_matmul_keeps_leading_dims_and_takes_strided_rows() -> None:
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("m", "k"), [(33, 1029), (48, 1029), (100, 1029), (150, 8192)])
-def test_many_rows_in_chunks_of_k_have_the_bits_of_whole_k_passes(m: int, k: int, gated: bool) -> None:
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(33, 1029, 160), (48, 1029, 160), (100, 1029, 160), (150, 8192, 160), (300, 4864, 2048)]
+)
+def test_many_rows_in_chunks_of_k_have_the_bits_of_whole_k_passes(
+    m: int, k: int, n: int, gated: bool
+) -> None:
     """Past 32 rows the kernel goes through K in chunks, parking each block's float sums between
-    them, and (K = 8192: 64 rows of 16 KB fill its 1 MB) through the rows in stretches; each row
-    of the result has the bits the whole-K passes of 32 rows or fewer give it. K = 1029 is 33
-    steps (four chunks of 8 and one of 1), the last one partly past K."""
+    them; deep products (K = 8192 and 4864: stretches of rows in 1 MB would be short) go K
+    outermost over each thread's panels, in stretches whose sums fill 1 MB (n = 2048: 256 rows,
+    so two stretches). Each row of the result has the bits the whole-K passes of 32 rows or
+    fewer give it. K = 1029 is 33 steps (four chunks of 8 and one of 1), the last one partly past K."""
     gen = torch.Generator().manual_seed(m)
-    n = 160
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen)

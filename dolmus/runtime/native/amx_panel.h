@@ -146,14 +146,19 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
  * from L2 every block (1.2 -> 1.35-1.4 TF per core on K = 896 with hot data); and while a chunk
  * serves the later blocks, the next chunk, prefetched by the first block, arrives. Sums are
  * added in the same order as panel_product's: the same bits. A block's last chunk writes its
- * rows out at once, from a 4 KB copy in L1, rather than in a second pass over `acc`. */
+ * rows out at once, from a 4 KB copy in L1, rather than in a second pass over `acc`.
+ * Steps [from, to) only (the sums of earlier steps in `acc`): a caller may go through K in
+ * segments, each over many panels; `next` (or NULL) is the chunk it multiplies after each one,
+ * prefetched in its place (without it, the first block prefetches a chunk ahead in the panel). */
 static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t M,
                                          const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N,
-                                         int gated, float *acc) {
+                                         int gated, float *acc, int64_t from, int64_t to, const uint16_t *next) {
     int64_t kp = steps * KSTEP, mp = round_up(M, 16);
     float done[1024] __attribute__((aligned(64)));
-    for (int64_t k0 = 0; k0 < steps; k0 += CHUNK_STEPS) {
-        int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
+    for (int64_t k0 = from; k0 < to; k0 += CHUNK_STEPS) {
+        int64_t k1 = k0 + CHUNK_STEPS < to ? k0 + CHUNK_STEPS : to;
+        if (next) /* the chunk this thread multiplies next, into L2 while this one runs */
+            for (int64_t o = 0; o < (k1 - k0) * 2 * TILE * 2; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T1);
         for (int64_t m0 = 0; m0 < mp; m0 += 32) {
             int two = mp - m0 > 16;
             float *c = acc + m0 * 32;
@@ -170,13 +175,13 @@ static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, cons
                     _tile_loadd(3, c + 768, 64);
                 }
             }
-            block_steps(pp, x + m0 * kp, kp, k0, k1, two, m0 == 0);
-            float *to = k1 == steps ? done : c;
-            _tile_stored(0, to, 64);
-            _tile_stored(1, to + 256, 64);
+            block_steps(pp, x + m0 * kp, kp, k0, k1, two, m0 == 0 && !next);
+            float *sums = k1 == steps ? done : c;
+            _tile_stored(0, sums, 64);
+            _tile_stored(1, sums + 256, 64);
             if (two) {
-                _tile_stored(2, to + 512, 64);
-                _tile_stored(3, to + 768, 64);
+                _tile_stored(2, sums + 512, 64);
+                _tile_stored(3, sums + 768, 64);
             }
             if (k1 < steps) continue;
             int64_t left = M - m0;

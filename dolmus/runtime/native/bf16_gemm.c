@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -36,6 +37,8 @@
  * every panel once they outgrew L2: 1024 rows cost 2.4x 512 rows, and a 2048-token step budget
  * was 1.8x slower than 512 over the same prompts; now the same. */
 #define SUPER_BYTES (1 << 20)
+/* Products whose stretches would be shorter than this many rows go K outermost (gemm_rows_deep). */
+#define DEEP_ROWS 256
 
 /* w [N][K] bf16 -> P (above), zero padded to whole panels and steps. */
 void dolmus_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K) {
@@ -82,7 +85,8 @@ static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bi
             for (int64_t p = 0; p < panels; p++) {
                 const uint16_t *pp = packed + p * steps * 2 * TILE;
                 if (acc)
-                    panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc);
+                    panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc, 0, steps,
+                                          NULL);
                 else /* no memory for the sums: whole-K passes */
                     panel_product(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
             }
@@ -99,13 +103,62 @@ static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bi
     free(copy);
 }
 
+/* One stretch of many rows (M > 32) of a deep product (long K) times every panel, K outermost:
+ * each thread takes a contiguous share of the panels and goes through K one chunk at a time,
+ * every panel of its share through the chunk before the next, the sums of all of them parked in
+ * `acc` (L2). The weights are then read from memory once per stretch, where gemm_rows, holding
+ * the rows in L2 across panels, takes stretches of only ~100 rows at K = 4864 and reads the 8.7 MB
+ * of a 0.5B model's down projection again for each. Same sums, same order: the same bits. */
+static void gemm_rows_deep(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t M,
+                           int64_t N, int64_t K, int64_t gated) {
+    int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP, ldy = gated ? N / 2 : N;
+    int64_t block = round_up(M, 32) * 32; /* floats of one panel's sums */
+    uint16_t *copy;
+    if (!(x = tile_rows(x, M, K, &copy))) return;
+#pragma omp parallel
+    {
+        configure(16);
+        int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
+        float *acc = p1 > p0 ? aligned_alloc(64, (size_t)((p1 - p0) * block) * sizeof(float)) : NULL;
+        for (int64_t k0 = 0; acc && k0 < steps; k0 += CHUNK_STEPS) {
+            int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
+            for (int64_t p = p0; p < p1; p++) {
+                const uint16_t *pp = packed + p * steps * 2 * TILE;
+                /* next: the following panel's chunk, or the first panel's next chunk */
+                const uint16_t *next = p + 1 < p1 ? pp + (steps + k0) * 2 * TILE
+                                       : k1 < steps ? packed + (p0 * steps + k1) * 2 * TILE
+                                                    : NULL;
+                panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc + (p - p0) * block,
+                                      k0, k1, next);
+            }
+        }
+        if (!acc) /* no memory for the sums: whole-K passes */
+            for (int64_t p = p0; p < p1; p++)
+                panel_product(packed + p * steps * 2 * TILE, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+        free(acc);
+        _tile_release();
+    }
+    free(copy);
+}
+
 /* y = x [M][K] times the packed weight: [M][N], or [M][N / 2] when gated (N % 32 == 0 then). */
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int64_t gated) {
     int64_t kp = round_up(K, KSTEP), rows = SUPER_BYTES / (kp * (int64_t)sizeof(uint16_t)) / 32 * 32;
+    int64_t width = gated ? N / 2 : N;
+    if (rows < DEEP_ROWS && M > 32) {
+        /* stretches whose sums, a thread's share of the panels, take about SUPER_BYTES */
+        int64_t share = (round_up(N, PANEL) / PANEL + omp_get_max_threads() - 1) / omp_get_max_threads();
+        rows = SUPER_BYTES / (share * PANEL * (int64_t)sizeof(float)) / 32 * 32;
+        if (rows < 64) rows = 64;
+        for (int64_t m0 = 0; m0 < M; m0 += rows)
+            gemm_rows_deep(x + m0 * K, packed, bias, y + m0 * width, M - m0 < rows ? M - m0 : rows, N, K, gated);
+        return;
+    }
     if (rows < 64) rows = 64; /* fewer rows per pass would stream the panels too often */
     for (int64_t m0 = 0; m0 < M; m0 += rows)
-        gemm_rows(x + m0 * K, packed, bias, y + m0 * (gated ? N / 2 : N), M - m0 < rows ? M - m0 : rows, N, K, gated);
+        gemm_rows(x + m0 * K, packed, bias, y + m0 * width, M - m0 < rows ? M - m0 : rows, N, K, gated);
 }
 
 #else
