@@ -157,8 +157,9 @@ static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, cons
     float done[1024] __attribute__((aligned(64)));
     for (int64_t k0 = from; k0 < to; k0 += CHUNK_STEPS) {
         int64_t k1 = k0 + CHUNK_STEPS < to ? k0 + CHUNK_STEPS : to;
-        if (next) /* the chunk this thread multiplies next, into L2 while this one runs */
-            for (int64_t o = 0; o < (k1 - k0) * 2 * TILE * 2; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T1);
+        int64_t bytes = (k1 - k0) * 2 * TILE * (int64_t)sizeof(uint16_t);
+        for (int64_t o = 0; next && o < bytes; o += 64) /* the chunk after this one, into L2 meanwhile */
+            _mm_prefetch((const char *)next + o, _MM_HINT_T1);
         for (int64_t m0 = 0; m0 < mp; m0 += 32) {
             int two = mp - m0 > 16;
             float *c = acc + m0 * 32;

@@ -10,9 +10,11 @@
  *
  * one 1 KB tile (t) being 16 rows of input pairs by 16 outputs; outputs past N and inputs
  * past K are zero. Activation rows go in blocks of 32 (two A tiles) per pass over a panel, so
- * a panel (K * 64 bytes) is read from memory once and from cache for later blocks. Sums are
- * float32; an optional float32 bias is added before the one rounding to bf16. Threads split
- * the panels (OpenMP: see runtime/native/__init__.py).
+ * a panel (K * 64 bytes) is read from memory once and from cache for later blocks; past 32 rows
+ * in chunks of K (amx_panel.h), in stretches of rows that stay in L2, and for long K with K
+ * outermost (gemm_rows_deep). Sums are float32, added in the same order whatever the number of
+ * rows; an optional float32 bias is added before the one rounding to bf16. Threads split the
+ * panels (OpenMP: see runtime/native/__init__.py).
  *
  * A gate/up projection of an MLP may be packed gated: its two tiles of a panel are the gate
  * and the up rows of the same 16 features, and the product ends in SiLU(gate) * up for them,
