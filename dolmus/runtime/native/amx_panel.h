@@ -70,24 +70,46 @@ static void store_panel(const float *t0, const float *t1, int64_t rows, const fl
     }
 }
 
-/* x as the tiles read it: rows of whole steps of 32 inputs and, past 16 rows, whole blocks of
- * 16 rows. Returns x itself when it already is, else a zero-padded copy in *copy (the caller
- * frees it), or NULL when memory runs out. */
-static inline const uint16_t *tile_rows(const uint16_t *x, int64_t M, int64_t K, uint16_t **copy) {
-    int64_t kp = round_up(K, KSTEP), mp = M < 16 ? M : round_up(M, 16);
-    *copy = NULL;
-    if (kp == K && mp == M) return x;
-    uint16_t *padded = calloc((size_t)(mp * kp), sizeof(uint16_t));
-    if (!padded) return NULL;
-    for (int64_t m = 0; m < M; m++) memcpy(padded + m * kp, x + m * K, sizeof(uint16_t) * (size_t)K);
-    *copy = padded;
-    return padded;
+/* Activation rows as the A tiles read them: rows of whole steps of 32 inputs, kp apart, and
+ * past 16 rows in whole groups of 16. Rows [0, full) are read in place from x; the last M % 16
+ * rows of a longer M from `tail`, a zero-padded copy of 16 rows (a prompt of 129 tokens used to
+ * copy all of its rows, 1.2 MB per down projection of a 0.5B model, for the one past 128). */
+typedef struct {
+    const uint16_t *x, *tail;
+    int64_t full, kp;
+} tile_rows;
+
+/* The source of the 16-row group starting at row m0 (m0 % 16 == 0). */
+static inline const uint16_t *group_rows(const tile_rows *r, int64_t m0) {
+    return m0 < r->full ? r->x + m0 * r->kp : r->tail;
 }
 
-/* Steps [k0, k1) of one block of rows (xa: its first row, rows kp values apart; a second A tile
- * 16 rows on when `two`) times panel pp, added to sum tiles 0-1 (and 2-3). */
-static inline void block_steps(const uint16_t *pp, const uint16_t *xa, int64_t kp, int64_t k0, int64_t k1,
-                               int two, int prefetch) {
+/* x [M][K] for the tiles. The copy, when one is needed (the tail; every row when K % 32 != 0),
+ * goes in *copy for the caller to free; 0, or -1 when memory runs out. */
+static inline int tile_rows_of(const uint16_t *x, int64_t M, int64_t K, tile_rows *r, uint16_t **copy) {
+    int64_t kp = round_up(K, KSTEP), left = M < 16 ? 0 : M % 16;
+    *copy = NULL;
+    r->x = x, r->tail = NULL, r->full = M - left, r->kp = kp;
+    if (kp != K) { /* every row padded: all of them in whole groups of the copy */
+        int64_t mp = M < 16 ? M : round_up(M, 16);
+        uint16_t *padded = calloc((size_t)(mp * kp), sizeof(uint16_t));
+        if (!padded) return -1;
+        for (int64_t m = 0; m < M; m++) memcpy(padded + m * kp, x + m * K, sizeof(uint16_t) * (size_t)K);
+        r->x = *copy = padded, r->full = mp;
+        return 0;
+    }
+    if (!left) return 0;
+    uint16_t *tail = calloc((size_t)(16 * kp), sizeof(uint16_t));
+    if (!tail) return -1;
+    memcpy(tail, x + r->full * kp, sizeof(uint16_t) * (size_t)(left * kp));
+    r->tail = *copy = tail;
+    return 0;
+}
+
+/* Steps [k0, k1) of one block of rows (xa: its first 16 rows, xb the next 16 when `two`, rows
+ * kp values apart) times panel pp, added to sum tiles 0-1 (and 2-3). */
+static inline void block_steps(const uint16_t *pp, const uint16_t *xa, const uint16_t *xb, int64_t kp, int64_t k0,
+                               int64_t k1, int two, int prefetch) {
     int64_t stride = kp * (int64_t)sizeof(uint16_t);
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *tile = pp + kb * 2 * TILE;
@@ -98,17 +120,17 @@ static inline void block_steps(const uint16_t *pp, const uint16_t *xa, int64_t k
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, xa + 16 * kp + kb * KSTEP, stride);
+            _tile_loadd(5, xb + kb * KSTEP, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
     }
 }
 
-/* Rows of x (from tile_rows, after configure) times one panel pp of `steps` steps, outputs
+/* M rows (tile_rows_of, after configure) times one panel pp of `steps` steps, outputs
  * [n0, n0 + 32) of y (or n0 / 2 .. when gated). Activation rows go in blocks of 32 (two A
  * tiles) per pass, so the panel is read from memory once and from cache after. */
-static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t M,
+static inline void panel_product(const uint16_t *pp, int64_t steps, const tile_rows *x, int64_t M,
                                  const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N,
                                  int gated, int prefetch) {
     int64_t kp = steps * KSTEP, mp = M < 16 ? M : round_up(M, 16);
@@ -121,7 +143,7 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
             _tile_zero(2);
             _tile_zero(3);
         }
-        block_steps(pp, x + m0 * kp, kp, 0, steps, two, prefetch);
+        block_steps(pp, group_rows(x, m0), group_rows(x, m0 + 16), kp, 0, steps, two, prefetch);
         int64_t left = M - m0;
         _tile_stored(0, t0, 64);
         _tile_stored(1, t1, 64);
@@ -150,7 +172,7 @@ static inline void panel_product(const uint16_t *pp, int64_t steps, const uint16
  * Steps [from, to) only (the sums of earlier steps in `acc`): a caller may go through K in
  * segments, each over many panels; `next` (or NULL) is the chunk it multiplies after each one,
  * prefetched in its place (without it, the first block prefetches a chunk ahead in the panel). */
-static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t M,
+static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, const tile_rows *x, int64_t M,
                                          const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N,
                                          int gated, float *acc, int64_t from, int64_t to, const uint16_t *next) {
     int64_t kp = steps * KSTEP, mp = round_up(M, 16);
@@ -176,7 +198,7 @@ static inline void panel_product_chunked(const uint16_t *pp, int64_t steps, cons
                     _tile_loadd(3, c + 768, 64);
                 }
             }
-            block_steps(pp, x + m0 * kp, kp, k0, k1, two, m0 == 0 && !next);
+            block_steps(pp, group_rows(x, m0), group_rows(x, m0 + 16), kp, k0, k1, two, m0 == 0 && !next);
             float *sums = k1 == steps ? done : c;
             _tile_stored(0, sums, 64);
             _tile_stored(1, sums + 256, 64);

@@ -71,8 +71,9 @@ int dolmus_amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM,
 static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int64_t gated) {
     int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP;
+    tile_rows rows;
     uint16_t *copy;
-    if (!(x = tile_rows(x, M, K, &copy))) return;
+    if (tile_rows_of(x, M, K, &rows, &copy)) return;
     int chunked = M > 32;
 #pragma omp parallel
     {
@@ -87,17 +88,18 @@ static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bi
             for (int64_t p = 0; p < panels; p++) {
                 const uint16_t *pp = packed + p * steps * 2 * TILE;
                 if (acc)
-                    panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc, 0, steps,
+                    panel_product_chunked(pp, steps, &rows, M, bias, y, ldy, p * PANEL, N, (int)gated, acc, 0, steps,
                                           NULL);
                 else /* no memory for the sums: whole-K passes */
-                    panel_product(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+                    panel_product(pp, steps, &rows, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
             }
         } else {
             /* Few rows: each thread one contiguous stretch of the weights, the stream the
              * prefetchers follow best. */
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++)
-                panel_product(packed + p * steps * 2 * TILE, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+                panel_product(packed + p * steps * 2 * TILE, steps, &rows, M, bias, y, ldy, p * PANEL, N, (int)gated,
+                              1);
         }
         free(acc);
         _tile_release();
@@ -115,8 +117,9 @@ static void gemm_rows_deep(const uint16_t *x, const uint16_t *packed, const floa
                            int64_t N, int64_t K, int64_t gated) {
     int64_t panels = round_up(N, PANEL) / PANEL, steps = round_up(K, KSTEP) / KSTEP, ldy = gated ? N / 2 : N;
     int64_t block = round_up(M, 32) * 32; /* floats of one panel's sums */
+    tile_rows rows;
     uint16_t *copy;
-    if (!(x = tile_rows(x, M, K, &copy))) return;
+    if (tile_rows_of(x, M, K, &rows, &copy)) return;
 #pragma omp parallel
     {
         configure(16);
@@ -131,13 +134,14 @@ static void gemm_rows_deep(const uint16_t *x, const uint16_t *packed, const floa
                 const uint16_t *next = p + 1 < p1 ? pp + (steps + k0) * 2 * TILE
                                        : k1 < steps ? packed + (p0 * steps + k1) * 2 * TILE
                                                     : NULL;
-                panel_product_chunked(pp, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, acc + (p - p0) * block,
-                                      k0, k1, next);
+                panel_product_chunked(pp, steps, &rows, M, bias, y, ldy, p * PANEL, N, (int)gated,
+                                      acc + (p - p0) * block, k0, k1, next);
             }
         }
         if (!acc) /* no memory for the sums: whole-K passes */
             for (int64_t p = p0; p < p1; p++)
-                panel_product(packed + p * steps * 2 * TILE, steps, x, M, bias, y, ldy, p * PANEL, N, (int)gated, 1);
+                panel_product(packed + p * steps * 2 * TILE, steps, &rows, M, bias, y, ldy, p * PANEL, N, (int)gated,
+                              1);
         free(acc);
         _tile_release();
     }

@@ -215,7 +215,8 @@ void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t
         free(xsum);
         return;
     }
-    if (!(x = tile_rows(x, M, K, &copy))) return;
+    tile_rows rows;
+    if (tile_rows_of(x, M, K, &rows, &copy)) return;
 #pragma omp parallel
     {
         uint16_t *buf = aligned_alloc(64, (size_t)steps * 2 * TILE * sizeof(uint16_t));
@@ -230,7 +231,7 @@ void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t
                     int4_panel((const uint8_t *)packed + b * (K / 2) * 64, scale, zero, npad, n0, K, group, s, buf);
                 else
                     int8g_panel((const int8_t *)packed + b * K * 64, scale, zero, npad, n0, K, group, s, buf);
-                panel_product(buf, steps, x, M, NULL, y, N, n0, N, 0, 0);
+                panel_product(buf, steps, &rows, M, NULL, y, N, n0, N, 0, 0);
             }
             _tile_release();
             free(buf);
