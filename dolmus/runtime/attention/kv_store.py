@@ -30,7 +30,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     56 ms of a 290 ms prefill step of 512 tokens here against 4 ms on small pages."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return huge_pages.anonymous(nbytes).view(dtype).view(shape)

@@ -11,8 +11,6 @@ the torch backend.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dolmus.runtime import native
@@ -22,11 +20,6 @@ from dolmus.runtime.attention.torch_sdpa import DecodeGroup, PrefillTable, SDPAM
 from dolmus.runtime.native import ops as native_ops
 
 
-@functools.cache
-def _amx() -> bool:
-    return native.amx_ready()
-
-
 @register_backend
 class NativeCPUBackend(TorchSDPABackend):
     name = "native"
@@ -34,9 +27,9 @@ class NativeCPUBackend(TorchSDPABackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> SDPAMetadata:
         meta = super().build_metadata(layout, device, dtype)
         nd = layout.num_decodes
-        if meta.prefills and dtype == torch.bfloat16 and device.type == "cpu" and _amx():
+        if meta.prefills and dtype == torch.bfloat16 and device.type == "cpu" and native.amx_ready():
             lens, contexts = layout.query_lens[nd:], layout.context_lens[nd:]
-            blocks = int((contexts + lens).max()) // layout.block_size + 1
+            blocks = -(-int((contexts + lens).max()) // layout.block_size)
             meta.prefill_table = PrefillTable(
                 block_ids=layout.block_table[nd:, :blocks].contiguous(),
                 starts=layout.query_start_loc[nd:-1].contiguous(),

@@ -160,20 +160,21 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const int64_t *contexts, int64_t nseq, uint16_t *out, int64_t out_stride, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale) {
     int64_t group = hq / hkv, packed_values = 0, items = 0, longest = 0;
-    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(2 * nseq + 1));
-    if (!offsets) return -1;
+    /* per sequence: where its packed keys and values start; its first work item (nseq + 1) */
+    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(2 * nseq + 1)), *first_item = packed_at + nseq;
+    if (!packed_at) return -1;
     for (int64_t i = 0; i < nseq; i++) {
         int64_t total = contexts[i] + lens[i];
-        offsets[i] = packed_values;
+        packed_at[i] = packed_values;
         packed_values += hkv * 2 * round_up(total, 32) * d;
-        offsets[nseq + i] = items; /* first work item of sequence i */
+        first_item[i] = items;
         items += hq * ((lens[i] + 15) / 16);
         if (total > longest) longest = total;
     }
-    offsets[2 * nseq] = items;
+    first_item[nseq] = items;
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)round_up(packed_values, 32));
     if (!packed) {
-        free(offsets);
+        free(packed_at);
         return -1;
     }
     int failed = 0;
@@ -191,7 +192,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
             int64_t i = w / hkv, h = w % hkv, total = contexts[i] + lens[i], padded = round_up(total, 32);
             for (int64_t p = 0; p < total; p++)
                 pos[p] = ((block_ids[i * nb + p / bs] * bs + p % bs) * hkv + h) * d;
-            uint16_t *kp = packed + offsets[i] + h * 2 * padded * d;
+            uint16_t *kp = packed + packed_at[i] + h * 2 * padded * d;
             pack_keys_values(k_cache, v_cache, pos, total, d, kp, kp + padded * d);
         }
         free(pos);
@@ -208,12 +209,12 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         for (int64_t w = 0; w < items; w++) {
             if (failed) continue;
             int64_t i = 0;
-            while (offsets[nseq + i + 1] <= w) i++;
-            int64_t local = w - offsets[nseq + i], tiles = (lens[i] + 15) / 16;
+            while (first_item[i + 1] <= w) i++;
+            int64_t local = w - first_item[i], tiles = (lens[i] + 15) / 16;
             int64_t head = local % hq, tile = tiles - 1 - local / hq, t0 = tile * 16;
             int64_t rowsn = lens[i] - t0 < 16 ? lens[i] - t0 : 16, total = contexts[i] + lens[i];
             int64_t padded = round_up(total, 32);
-            const uint16_t *kp = packed + offsets[i] + (head / group) * 2 * padded * d;
+            const uint16_t *kp = packed + packed_at[i] + (head / group) * 2 * padded * d;
             int64_t tok = starts[i] + t0;
             attend_rows(q + tok * q_stride + head * d, q_stride, rowsn, contexts[i] + t0, kp, kp + padded * d, d,
                         scale, s, pb, out + tok * out_stride + head * d, out_stride);
@@ -222,7 +223,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         free(pb);
         _tile_release();
     }
-    free(packed), free(offsets);
+    free(packed), free(packed_at);
     return failed ? -1 : 0;
 }
 
