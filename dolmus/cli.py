@@ -129,9 +129,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--executor",
+        "--distributed-executor-backend",
+        dest="executor",
         choices=_choices(EngineConfig, "executor"),
         default=d.executor,
-        help="uni: the model in the engine's process; mp: in a worker process",
+        help="uni: the model in the engine's process; mp: in worker processes (tensor parallelism: always)",
+    )
+    add_parallel_args(g, d)
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=d.distributed_timeout,
+        help="seconds a rank may take to answer a step before the engine fails",
     )
     g.add_argument(
         "--native-kernels",
@@ -160,6 +169,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.speculative_config,
         help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}',
+    )
+
+
+def add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Tensor parallelism and where its ranks meet (shared by `serve` and `worker`)."""
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks each holding a share of every layer (torch.distributed)",
+    )
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the ranks span")
+    g.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0 runs the engine)")
+    g.add_argument("--master-addr", default=d.master_addr, help="host 0's address, reachable from every host")
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=d.master_port,
+        help="torch.distributed's rendezvous port on host 0 (the engine's control channel: port + 1)",
     )
 
 
@@ -243,6 +272,27 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config, server_config)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from dolmus.executor.remote_node import run_node
+
+    if args.master_port is None:
+        print("error: --master-port is needed (host 0's --master-port)", file=sys.stderr)
+        return 2
+    try:
+        return run_node(
+            args.master_addr,
+            args.master_port,
+            args.node_rank,
+            args.nnodes,
+            args.model,
+            args.tensor_parallel_size,
+            args.wait,
+        )
+    except (ValueError, TimeoutError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def _convert(args: argparse.Namespace) -> int:
     from dolmus.convert import convert_to_gguf
 
@@ -313,6 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
 
+    worker = sub.add_parser(
+        "worker",
+        help="run this host's tensor-parallel ranks for an engine on host 0 (`serve --nnodes N`)",
+    )
+    d = EngineConfig()
+    g = worker.add_argument_group("distributed")
+    g.add_argument("--model", default=None, help="the model's folder on this host (default: host 0's path)")
+    add_parallel_args(g, d)
+    g.add_argument("--wait", type=float, default=600.0, help="seconds to wait for host 0's engine")
+    worker.set_defaults(func=_worker, tensor_parallel_size=None)  # None: host 0's, unchecked
+
     # No abbreviated flags: chat passes its engine flags on to `dolmus serve` as written.
     chat = sub.add_parser("chat", help="chat with a model in the terminal", allow_abbrev=False)
     add_chat_args(chat)
@@ -345,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv  # for reports that quote their command
-    level = logging.INFO if args.command == "serve" else logging.WARNING
+    level = logging.INFO if args.command in ("serve", "worker") else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -208,8 +208,23 @@ class EngineConfig:
     kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
     # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)
     attention_backend: str = choice("auto", ATTENTION_BACKENDS)
-    # uni: the model runs in the engine's process; mp: in a worker process fed each step's plan
+    # uni: the model runs in the engine's process; mp: in worker processes fed each step's plan
+    # (vLLM's --distributed-executor-backend; tensor parallelism always runs mp)
     executor: str = choice("uni", ("uni", "mp"))
+    # Tensor parallelism: ranks that each hold a share of every layer's heads and features,
+    # joined by torch.distributed (gloo on CPU, NCCL on CUDA). On CPU the host's cores and KV
+    # budget are split evenly between the ranks on it.
+    tensor_parallel_size: int = 1
+    # Hosts the ranks span (tensor_parallel_size / nnodes on each) and this host's index: the
+    # engine runs on host 0 (`dolmus serve`), the others run `dolmus worker`.
+    nnodes: int = 1
+    node_rank: int = 0
+    # torch.distributed's env:// rendezvous on host 0; the engine's control channel listens on
+    # master_port + 1. master_port None: a free port (one host only).
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    # seconds a rank may take to answer a step, or wait in a collective, before the engine fails
+    distributed_timeout: float = 600.0
     # grammar library for structured output: auto = xgrammar where installed, else llguidance
     structured_output_backend: str = choice("auto", STRUCTURED_OUTPUT_BACKENDS)
     # Scheduling tiers with reservations and admission rules; none: strict priority order.
@@ -229,10 +244,30 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         check_choices(self)
+        self._check_parallel()
         self.tier_specs = tuple(self.tier_specs)
         check_tiers(self.tier_specs)
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _check_parallel(self) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if nodes < 1 or tp % nodes:
+            raise ValueError(f"nnodes must be >= 1 and divide tensor_parallel_size {tp}, got {nodes}")
+        if self.node_rank != 0:
+            raise ValueError(
+                f"node_rank {self.node_rank}: the engine runs on host 0; run `dolmus worker` on the others"
+            )
+        if nodes > 1 and self.master_port is None:
+            raise ValueError("master_port is needed when the ranks span several hosts (nnodes > 1)")
+        if self.master_port is not None and not 0 < self.master_port < 65535:
+            raise ValueError(f"master_port must be a TCP port below 65535, got {self.master_port}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        if tp > 1:
+            self.executor = "mp"  # ranks are processes
 
     @property
     def model_path(self) -> Path:

@@ -11,11 +11,7 @@ import pytest
 import torch
 
 from dolmus import LLM, SamplingParams
-from dolmus.config import EngineConfig, ModelConfig
-from dolmus.engine.engine import Engine
 from dolmus.executor import WorkerDiedError
-from dolmus.executor.multiproc import MultiprocExecutor
-from dolmus.runtime.model_runner import RunnerSpec
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and", "Lily", "Once upon a time there was"]
 # A small KV pool and step budget: prefix hits, chunked prefill and preemption all happen.
@@ -47,19 +43,6 @@ def test_worker_process_gives_the_in_process_tokens(llama_dir):
         assert torch.allclose(worker.engine.prompt_logprobs(ids), inproc.engine.prompt_logprobs(ids))
     finally:
         worker.engine.shutdown()
-
-
-def test_two_ranks_broadcast_one_plan_and_rank_0_answers(llama_dir):
-    config = EngineConfig(model=str(llama_dir), **TIGHT)
-    want = _tokens(LLM(str(llama_dir), **TIGHT))
-    spec = RunnerSpec(
-        config, ModelConfig.from_dir(llama_dir), llama_dir, torch.device("cpu"), torch.float32, 1024
-    )
-    executor = MultiprocExecutor(spec, world_size=2)
-    try:
-        assert _tokens(LLM(engine=Engine(config, executor=executor))) == want
-    finally:
-        executor.shutdown()
 
 
 def test_a_killed_worker_fails_the_engine_instead_of_hanging(llama_dir):

@@ -14,6 +14,7 @@ from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.quant.checkpoint import Int4Codes
 from dolmus.quant.prequantized import PrequantizedMethod
 from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.runtime.layers.embedding import VocabParallelEmbedding
 from dolmus.runtime.layers.linear import Linear, ParallelStyle
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.unquantized import UnquantizedLinearMethod
@@ -178,10 +179,61 @@ def test_a_model_rank_holds_its_heads_and_loads_the_full_checkpoint(model_root) 
         assert (attn.num_heads, attn.num_kv_heads, mlp.size) == (2, 1, 64)
         assert attn.qkv_proj.shard_offsets == {"q": (0, 32), "k": (32, 16), "v": (48, 16)}
         assert (attn.o_proj.in_features, mlp.down_proj.in_features) == (32, 64)
-        assert model.lm_head.out_features == cfg.vocab_size  # the head stays whole
-    qwen2 = ModelConfig.from_dir(build_model_dir("qwen2", model_root))  # one KV head
-    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) does not split evenly over tp_size 2"):
-        LlamaForCausalLM(qwen2, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(0, 2))
+        assert model.lm_head.out_features == model.model.embed_tokens.weight.shape[0] == cfg.vocab_size // 2
+
+
+def test_fewer_kv_heads_than_ranks_are_shared_by_the_ranks(model_root) -> None:
+    """Qwen2 fixture: one KV head, four query heads. Each of 2 or 4 ranks holds the KV head whole."""
+    folder = build_model_dir("qwen2", model_root)
+    cfg = ModelConfig.from_dir(folder)
+    state = dict(iter_weights(safetensors_files(folder)))
+    k_full = state["model.layers.0.self_attn.k_proj.weight"]
+    for tp in (2, 4):
+        for rank in range(tp):
+            model = LlamaForCausalLM(
+                cfg, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(rank, tp)
+            )
+            model.load_weights(state.items())
+            attn = model.model.layers[0].self_attn
+            assert (attn.num_heads, attn.num_kv_heads) == (4 // tp, 1)
+            start, size = attn.qkv_proj.shard_offsets["k"]
+            assert torch.equal(attn.qkv_proj.weight[start : start + size], k_full)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) neither splits over nor divides"):
+        ParallelConfig(0, 3).kv_heads(2)
+
+
+@pytest.mark.parametrize("vocab,tp", [(12, 2), (10, 4)], ids=["even", "padded"])
+def test_vocab_parallel_embedding_and_head_reproduce_the_whole_ones(vocab: int, tp: int) -> None:
+    """Embedding rows and head outputs split by vocabulary; an uneven split pads the last rank
+    with zero rows that the gathered logits drop."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(vocab, 24, generator=gen)
+    ids = torch.tensor([0, 3, vocab - 1, 5, 9])
+    embeddings, logits = [], []
+    for rank in range(tp):
+        parallel = ParallelConfig(rank, tp)
+        emb = VocabParallelEmbedding(vocab, 24, torch.float32, parallel)
+        emb.weight_loader(emb.weight, table)
+        embeddings.append(emb(ids))  # this rank's rows, zeros elsewhere (all-reduced in a group)
+        head = Linear(
+            24, parallel.vocab(vocab), False, torch.float32, UnquantizedLinearMethod(prepack=False),
+            style=COLUMN, parallel=parallel, gather_output=True,
+        )
+        head.weight_loader(head.weight, table)
+        head.process_weights_after_loading()
+        logits.append(head(X))  # this rank's columns (all-gathered in a group)
+    torch.testing.assert_close(sum(embeddings), table[ids])
+    torch.testing.assert_close(torch.cat(logits, dim=-1)[:, :vocab], X @ table.T)
+    assert torch.count_nonzero(torch.cat(logits, dim=-1)[:, vocab:]) == 0
+
+
+def test_padding_codes_is_a_clear_error() -> None:
+    codes = Int4Codes(torch.zeros(10, 64, dtype=torch.uint8), torch.zeros(10, 4), torch.ones(10, 4), 16)
+    method = PrequantizedMethod(UnquantizedLinearMethod(prepack=False))
+    parallel = ParallelConfig(3, 4)
+    head = Linear(64, parallel.vocab(10), False, torch.float32, method, style=COLUMN, parallel=parallel)
+    with pytest.raises(ValueError, match="do not split evenly over the tensor-parallel ranks"):
+        head.weight_loader(head.weight, codes)
 
 
 def _all_reduce_worker(rank: int, init_file: str, checkpoint: dict, out: dict) -> None:
@@ -206,3 +258,35 @@ def test_row_parallel_layers_all_reduce_across_a_process_group(tmp_path) -> None
     expected = _layer(checkpoint, 24)(X)
     for rank in range(2):  # every rank ends with the full output
         torch.testing.assert_close(results[rank], expected)
+
+
+def _all_gather_worker(rank: int, init_file: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        parallel = ParallelConfig(rank, 2)
+        table = torch.randn(10, 24, generator=torch.Generator().manual_seed(4))
+        head = Linear(
+            24, parallel.vocab(10), False, torch.float32, UnquantizedLinearMethod(prepack=False),
+            style=COLUMN, parallel=parallel, gather_output=True,
+        )
+        head.weight_loader(head.weight, table)
+        emb = VocabParallelEmbedding(10, 24, torch.float32, parallel)
+        emb.weight_loader(emb.weight, table)
+        out[rank] = (head(X).clone(), emb(torch.tensor([1, 7, 9])).clone())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_layers_gather_and_reduce_across_a_process_group(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    table = torch.randn(10, 24, generator=torch.Generator().manual_seed(4))
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_all_gather_worker, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
+        results = dict(out)
+    for rank in range(2):  # every rank ends with the whole logits and embeddings
+        torch.testing.assert_close(results[rank][0], X @ table.T)
+        torch.testing.assert_close(results[rank][1], table[[1, 7, 9]])

@@ -1,4 +1,9 @@
-"""The collectives parallel layers call, through torch.distributed's default process group."""
+"""The collectives parallel layers and runners call, through torch.distributed's default group.
+
+Every rank of a tensor-parallel group makes the same calls in the same order (one plan,
+broadcast to all), so no call needs a tag. Without a process group (a test driving each
+rank's layer in one process) a rank's partial result comes back for the caller to combine.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,37 @@ import torch.distributed as dist
 from dolmus.distributed.parallel_config import ParallelConfig
 
 
-def tensor_parallel_all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
-    """Sum the ranks' partial outputs of a row-parallel layer, in place.
-
-    One rank has nothing to sum. Without a process group (a test driving each rank's layer
-    in one process) the rank's partial sum comes back for the caller to combine.
-    """
+def _group_ready(parallel: ParallelConfig) -> bool:
     if parallel.tp_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return x
+        return False
     if dist.get_world_size() != parallel.tp_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks, tensor parallelism {parallel.tp_size}"
         )
-    dist.all_reduce(x)
+    return True
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """Sum the ranks' partial outputs of a row-parallel layer, in place."""
+    if _group_ready(parallel):
+        dist.all_reduce(x)
     return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """The ranks' column shares of x concatenated along the last dimension, in rank order."""
+    if not _group_ready(parallel):
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+def agree_on_min(value: int, parallel: ParallelConfig, device: torch.device) -> int:
+    """The smallest of the ranks' values (e.g. KV blocks: every rank must hold the same count)."""
+    if not _group_ready(parallel):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

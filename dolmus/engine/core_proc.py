@@ -40,6 +40,7 @@ from dolmus.executor.worker import die_with_parent
 logger = logging.getLogger(__name__)
 
 _COMPILE_POLL_MS = 5  # while grammars compile, how often an idle loop looks for them
+_HEALTH_POLL_MS = 1000  # how often an idle loop checks that the executor's ranks are alive
 
 
 def run_engine_core(config: EngineConfig, inbox_addr: str, outbox_addr: str, log_level: int) -> None:
@@ -106,9 +107,12 @@ class _CoreLoop:
     def _take_commands(self) -> bool:
         """Apply queued commands; block while there is nothing else to do. False: shut down."""
         idle = not self.engine.has_unfinished_requests()
-        timeout = (_COMPILE_POLL_MS if self.compiling else None) if idle else 0
+        timeout = (_COMPILE_POLL_MS if self.compiling else _HEALTH_POLL_MS) if idle else 0
         while True:
             if timeout != 0 and not self.inbox.poll(timeout):
+                # A rank that died while the engine idles ends the core now (so /health says
+                # 503), not at the next request.
+                self.engine.executor.check_health()
                 return True
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)

@@ -7,7 +7,7 @@ from dolmus.runtime.model_runner import RunnerSpec
 
 
 def make_executor(spec: RunnerSpec) -> Executor:
-    if spec.config.executor == "mp":
+    if spec.config.executor == "mp":  # also every tensor-parallel run (EngineConfig sets it)
         from dolmus.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(spec)

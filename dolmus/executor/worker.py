@@ -1,18 +1,24 @@
-"""The main function of one worker process: load the runner, then run plans until told to stop."""
+"""The main function of one rank process: load the runner, then run plans until told to stop.
+
+Every rank answers every message: rank 0 with the step's result, the others with a digest
+of theirs (executor/control.py), and any rank with its traceback when a step fails, so the
+engine learns of a failure on any rank at once instead of finding the others stuck in a
+collective.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import os
 import pickle
 import signal
 import sys
 import traceback
 
-import torch
 import zmq
 
+from dolmus.distributed.process_group import join_process_group, leave_process_group, pin_to_cores
 from dolmus.executor.base import RunnerInfo
+from dolmus.executor.control import RankPlacement, connect_dealer, digest, rank_name
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.step import decode_plan, encode
 
@@ -28,31 +34,32 @@ def die_with_parent() -> None:
             pass
 
 
-def worker_main(
-    spec: RunnerSpec, rank: int, world_size: int, plans_addr: str, results_addr: str, port: int
-) -> None:
+def _load(spec: RunnerSpec, at: RankPlacement) -> ModelRunner:
+    spec = spec.for_rank(at.rank, at.world_size, at.local_ranks)
+    if spec.device.type == "cpu" and at.local_ranks > 1 and spec.config.num_threads is None:
+        pin_to_cores(at.local_rank, at.local_ranks)
+    if at.world_size > 1:
+        join_process_group(
+            at.rank, at.world_size, at.local_rank, at.master_addr, at.master_port, spec.device, at.timeout_s
+        )
+    return ModelRunner.from_spec(spec)
+
+
+def worker_main(spec: RunnerSpec, at: RankPlacement) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the engine's to handle
     ctx = zmq.Context()
-    plans = ctx.socket(zmq.PULL)
-    plans.connect(plans_addr)
-    results = ctx.socket(zmq.PUSH)
-    results.connect(results_addr)
+    sock = connect_dealer(ctx, rank_name(at.rank), at.control_address)
     try:
-        if world_size > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-            torch.distributed.init_process_group(
-                "gloo", init_method="env://", rank=rank, world_size=world_size
-            )
-        runner = ModelRunner.from_spec(spec.for_rank(rank))
+        runner = _load(spec, at)
     except Exception as exc:  # reported to the engine, which raises it with this message
-        results.send_multipart((b"error", pickle.dumps(("error", rank, str(exc)))))
+        sock.send_multipart((b"error", pickle.dumps((at.rank, f"rank {at.rank}: {exc}"))))
+        sock.close()
+        ctx.term()
         return
-    info = RunnerInfo.of(runner)
-    results.send_multipart((b"ready", pickle.dumps(("ready", rank, info))))
+    sock.send_multipart((b"ready", pickle.dumps((at.rank, RunnerInfo.of(runner)))))
     while True:
-        kind, payload = plans.recv_multipart()
+        kind, payload = sock.recv_multipart()
         if kind == b"stop":
             break
         try:
@@ -61,13 +68,12 @@ def worker_main(
             else:  # b"score"
                 answer = pickle.dumps(runner.prompt_logits(*pickle.loads(payload)))
         except Exception:
-            if rank == 0:
-                results.send_multipart((b"failed", traceback.format_exc().encode()))
-            continue
-        if rank == 0:
-            results.send_multipart((b"result", answer), copy=False)
-    plans.close(linger=0)
-    results.close(linger=1000)
+            sock.send_multipart((b"failed", f"rank {at.rank}: {traceback.format_exc()}".encode()))
+            continue  # the engine is failed by this; it sends stop
+        if at.rank == 0:
+            sock.send_multipart((b"result", answer), copy=False)
+        else:
+            sock.send_multipart((b"digest", digest(answer) if kind == b"step" else b""))
+    sock.close()
     ctx.term()
-    if world_size > 1:
-        torch.distributed.destroy_process_group()
+    leave_process_group()

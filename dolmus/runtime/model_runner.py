@@ -25,6 +25,8 @@ from dolmus.config import (
     ModelConfig,
     SpeculativeConfig,
 )
+from dolmus.distributed.collectives import agree_on_min
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
@@ -61,6 +63,14 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, as a container or `taskset` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @dataclass
 class RunnerSpec:
     """Everything a runner is built from: plain data, so a worker process can build its own."""
@@ -72,13 +82,21 @@ class RunnerSpec:
     dtype: torch.dtype
     max_model_len: int
     progress: bool = False
+    parallel: ParallelConfig = SINGLE_RANK  # the tensor-parallel rank this runner is
+    local_ranks: int = 1  # ranks sharing this host: they split its cores and, on CPU, its KV budget
 
-    def for_rank(self, rank: int) -> RunnerSpec:
-        """The spec as rank `rank` builds it: its own GPU where there is one per rank."""
-        if self.device.type != "cuda":
-            return self
+    def for_rank(self, rank: int, world_size: int, local_ranks: int) -> RunnerSpec:
+        """The spec as tensor-parallel rank `rank` builds it: its own GPU where there is one
+        per rank (its index on this host), progress bars on rank 0 only."""
+        device = self.device
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % local_ranks)
         return dataclasses.replace(
-            self, device=torch.device("cuda", rank), progress=self.progress and not rank
+            self,
+            device=device,
+            progress=self.progress and not rank,
+            parallel=ParallelConfig(rank, world_size),
+            local_ranks=local_ranks,
         )
 
 
@@ -106,14 +124,22 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         progress: bool = False,
+        parallel: ParallelConfig = SINGLE_RANK,
+        local_ranks: int = 1,
     ) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        if config.num_threads and device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        self.parallel, self.local_ranks = parallel, local_ranks
+        self.num_kv_heads = parallel.kv_heads(model_config.num_kv_heads)[1]  # this rank's
+        if device.type == "cpu":
+            threads = config.num_threads
+            if threads is None and local_ranks > 1:  # the host's cores, split between its ranks
+                threads = max(1, usable_cores() // local_ranks)
+            if threads:
+                torch.set_num_threads(threads)
         # Our C kernels for norms, rotary, SiLU and decode attention: bf16 on an AVX-512 BF16
         # CPU, float32 on an AVX2 one.
         self.native_kernels = (
@@ -141,6 +167,7 @@ class ModelRunner:
             self.attention,
             max_model_len,
             progress=progress,
+            parallel=parallel,
             ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
             int8_block_activations=config.gguf_activations == "int8",
         )
@@ -153,7 +180,7 @@ class ModelRunner:
         slots = self.num_blocks * self.block_size
         self.kv_caches = [
             make_kv_store(
-                config.kv_cache_dtype, slots, cfg.num_kv_heads, cfg.head_dim, self.block_size, dtype, device
+                config.kv_cache_dtype, slots, self.num_kv_heads, cfg.head_dim, self.block_size, dtype, device
             )
             for _ in range(cfg.num_layers)
         ]
@@ -246,6 +273,8 @@ class ModelRunner:
             spec.dtype,
             spec.max_model_len,
             spec.progress,
+            spec.parallel,
+            spec.local_ranks,
         )
 
     def _attention_backend_name(self) -> str:
@@ -275,7 +304,7 @@ class ModelRunner:
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
         per_token = mc.num_layers * kv_bytes_per_token(
-            self.config.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, self.dtype
+            self.config.kv_cache_dtype, self.num_kv_heads, mc.head_dim, self.dtype
         )
         for extra in (self.drafter, self.eagle):  # their pools have the same blocks
             if extra is not None:
@@ -289,6 +318,8 @@ class ModelRunner:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         elif budget <= 1:
             budget = int(available_memory(self.device) * budget)
+        if self.device.type == "cpu":  # the host's budget, shared by the ranks on it
+            budget //= self.local_ranks
         num_blocks = int(budget) // per_block
         # More blocks than every seat at full length (plus as many again for the prefix
         # cache) would only be memory no one uses.
@@ -300,6 +331,8 @@ class ModelRunner:
             num_blocks = self._fit_cpu_pool(
                 num_blocks, per_block, explicit=self.config.kv_cache_memory is not None
             )
+        # Every rank holds the same blocks (the engine addresses them by id on all ranks).
+        num_blocks = agree_on_min(num_blocks, self.parallel, self.device)
         self.kv_bytes_per_token = per_token
         logger.info(
             "KV cache (%s): %d blocks of %d tokens = %d tokens fit (%.1f MB, %d bytes per token)",
@@ -316,7 +349,7 @@ class ModelRunner:
         """The pool's pages become resident as blocks are first used (kv_store.zeros), so a pool
         larger than the memory free now would end in the OOM killer mid-serving: refuse an
         explicit one, and shrink the default to half of what is free."""
-        free = available_memory(self.device)
+        free = available_memory(self.device) // self.local_ranks  # this rank's share of the host
         if num_blocks * per_block <= (free if explicit else free // 2):
             return num_blocks
         if explicit:

@@ -58,7 +58,7 @@ class Eagle3Head(nn.Module):
         h = cfg.hidden_size
         self.cfg, self.aux_layers, self.target_vocab = cfg, aux_layers, target_vocab
         self.fc = Linear(len(aux_layers) * target_hidden, h, False, dtype, method)
-        self.embed_tokens: nn.Embedding | None = None  # the target's, unless the checkpoint has one
+        self.embed_tokens: nn.Module | None = None  # the target's, unless the checkpoint has one
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, ops)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, ops)

@@ -5,8 +5,10 @@ The model sees a flat batch of tokens with positions and attention metadata; it 
 nothing of requests. Parameter names mirror the Hugging Face checkpoints, except that
 q/k/v and gate/up are fused into one matrix each (fewer, larger GEMMs). Under tensor
 parallelism (`ParallelConfig`) each rank holds its share of the attention heads and of the
-MLP's inner features: q/k/v and gate/up are column-parallel, o and down row-parallel (their
-outputs all-reduced); embeddings, norms and the LM head are whole on every rank.
+MLP's inner features: q/k/v and gate/up are column-parallel (KV heads shared by several
+ranks when there are fewer of them than ranks), o and down row-parallel (their outputs
+all-reduced); the embedding and LM head hold a share of the vocabulary (the embedding
+all-reduced, the logits all-gathered), and norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from torch import nn
 
 from dolmus.config import ModelConfig, parse_common_fields
-from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig, PartSlice
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
+from dolmus.runtime.layers.embedding import VocabParallelEmbedding
 from dolmus.runtime.layers.linear import Linear, ParallelStyle, load_plain
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
@@ -75,13 +78,14 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         self.num_heads = parallel.split(cfg.num_heads, "num_attention_heads")[1]
-        self.num_kv_heads = parallel.split(cfg.num_kv_heads, "num_key_value_heads")[1]
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qk_size = (self.num_heads + self.num_kv_heads) * cfg.head_dim  # this rank's q and k
+        first_kv, self.num_kv_heads = parallel.kv_heads(cfg.num_kv_heads)
+        self.head_dim = d = cfg.head_dim
+        q_size = cfg.num_heads * d
+        kv_part = PartSlice(cfg.num_kv_heads * d, first_kv * d, self.num_kv_heads * d)  # maybe shared
+        self.qk_size = (self.num_heads + self.num_kv_heads) * d  # this rank's q and k
         self.qkv_proj = Linear(
             cfg.hidden_size,
-            {"q": q_size, "k": kv_size, "v": kv_size},
+            {"q": q_size, "k": kv_part, "v": kv_part},
             cfg.attention_bias,
             dtype,
             method,
@@ -192,8 +196,7 @@ class LlamaModel(nn.Module):
         ops: LayerOps,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, method, backend, parallel, ops) for _ in range(cfg.num_layers)
@@ -215,9 +218,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops)
-        # A tied head is still its own Linear (sharing the embedding's storage) so its
-        # method may pack or quantize it.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, method.head_method())
+        # A tied head is still its own Linear (sharing the embedding's storage, the same rows
+        # of the vocabulary under tensor parallelism) so its method may pack or quantize it.
+        self.lm_head = Linear(
+            cfg.hidden_size,
+            parallel.vocab(cfg.vocab_size),
+            False,
+            dtype,
+            method.head_method(),
+            style=ParallelStyle.COLUMN,
+            parallel=parallel,
+            gather_output=True,
+        )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.weight_shared = True
