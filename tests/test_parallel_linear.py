@@ -3,6 +3,8 @@ holds its slice; concatenated column outputs and summed row outputs give the ful
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,3 +292,53 @@ def test_vocab_parallel_layers_gather_and_reduce_across_a_process_group(tmp_path
     for rank in range(2):  # every rank ends with the whole logits and embeddings
         torch.testing.assert_close(results[rank][0], X @ table.T)
         torch.testing.assert_close(results[rank][1], table[[1, 7, 9]])
+
+
+def _shm_worker(rank: int, init_file: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    from dolmus.distributed.collectives import (
+        tensor_parallel_all_gather,
+        tensor_parallel_all_reduce,
+        use_shared_memory,
+    )
+    from dolmus.distributed.shm_collectives import ShmCollectives
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        shm = ShmCollectives(rank, 2, timeout_s=2, slot_bytes=4096)
+        use_shared_memory(shm)
+        parallel = ParallelConfig(rank, 2)
+        results = []
+        for step in range(5):  # both buffers, reused: no step may read the previous one's data
+            x = torch.full((3, 8), float(rank + 1 + step), dtype=torch.bfloat16)
+            results.append(tensor_parallel_all_reduce(x, parallel).clone())
+        results.append(tensor_parallel_all_gather(torch.full((2, 3), float(rank)), parallel))
+        big = torch.full((2048,), float(rank + 1))  # 8 KB: over the slot, through gloo
+        results.append(tensor_parallel_all_reduce(big, parallel).clone())
+        if rank == 0:  # rank 1 never comes to this one
+            try:
+                shm.all_reduce(torch.ones(4))
+            except TimeoutError as exc:
+                results.append(str(exc))
+        out[rank] = results
+        use_shared_memory(None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_memory_collectives_sum_and_gather_like_gloo(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_shm_worker, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
+        results = dict(out)
+    for rank in range(2):
+        reduced = results[rank][:5]
+        for step, got in enumerate(reduced):
+            assert torch.equal(got, torch.full((3, 8), float(3 + 2 * step), dtype=torch.bfloat16))
+        assert torch.equal(results[rank][5], torch.tensor([[0.0, 0, 0, 1, 1, 1]] * 2))
+        assert torch.equal(results[rank][6], torch.full((2048,), 3.0))
+    assert "ranks [1] did not arrive in 2 s" in results[0][7]
+    assert not list(Path("/dev/shm").glob("dolmus-tp-*"))  # the mapping's name is gone

@@ -77,7 +77,10 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(model_dir, tp2) -> None:
 
 @pytest.mark.parametrize(
     "speculative",
-    [{"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model", "num_speculative_tokens": 3}],
+    [
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft_model", "num_speculative_tokens": 3},
+    ],
     ids=["ngram", "draft_model"],
 )
 def test_speculative_decoding_under_tensor_parallelism_keeps_the_tokens(llama_dir, tp2, speculative) -> None:
@@ -149,7 +152,9 @@ def test_bad_parallel_settings_are_refused(llama_dir) -> None:
         LLM(str(llama_dir), tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="run `dolmus worker`"):
         LLM(str(llama_dir), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
-    with pytest.raises(ValueError, match=r"rank \d: num_\w+_heads \(\d\) (does not split evenly|neither splits)"):
+    with pytest.raises(
+        ValueError, match=r"rank \d: num_\w+_heads \(\d\) (does not split evenly|neither splits)"
+    ):
         LLM(str(llama_dir), tensor_parallel_size=3, dtype="float32")
 
 
@@ -189,13 +194,19 @@ def _rank_pids(server_pid: int) -> list[int]:
 
 def test_served_with_two_ranks_then_a_dead_rank_turns_health_503(llama_dir) -> None:
     args = ("--model", str(llama_dir), "--dtype", "float32", "--tensor-parallel-size", "2")
-    want = LLM(str(llama_dir), dtype="float32").generate(
-        "Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    )[0].outputs[0].text
+    want = (
+        LLM(str(llama_dir), dtype="float32")
+        .generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
     with RemoteServer(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         answer = client.completions.create(
-            model=str(llama_dir), prompt="Once upon a time", max_tokens=24, temperature=0,
+            model=str(llama_dir),
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0,
             extra_body={"ignore_eos": True},
         )
         assert answer.choices[0].text == want

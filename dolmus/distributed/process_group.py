@@ -4,7 +4,8 @@ Each rank process sets the variables torchrun sets (MASTER_ADDR, MASTER_PORT, RA
 WORLD_SIZE, LOCAL_RANK) and calls `init_process_group`, so the same code joins ranks on one
 host or on several. Gloo carries the collectives on CPU; NCCL on CUDA, with a gloo group
 beside it for host-side values. Every collective has the engine's distributed timeout: a
-rank whose peer is gone raises instead of waiting forever.
+rank whose peer is gone raises instead of waiting forever. CPU ranks that all share one host
+exchange their layers' partial results through shared memory (shm_collectives.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from dolmus.distributed.collectives import use_shared_memory
+from dolmus.distributed.shm_collectives import ShmCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ def join_process_group(
     rank: int,
     world_size: int,
     local_rank: int,
+    local_ranks: int,
     master_addr: str,
     master_port: int,
     device: torch.device,
@@ -76,10 +81,21 @@ def join_process_group(
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
-    logger.debug("rank %d/%d joined over %s (%s)", rank, world_size, backend, interface or "loopback")
+    same_host = local_ranks == world_size
+    if same_host and device.type == "cpu":
+        use_shared_memory(ShmCollectives(rank, world_size, timeout_s))
+    logger.debug(
+        "rank %d/%d joined over %s (%s)%s",
+        rank,
+        world_size,
+        backend,
+        interface or "loopback",
+        ", collectives through shared memory" if same_host and device.type == "cpu" else "",
+    )
 
 
 def leave_process_group() -> None:
+    use_shared_memory(None)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -40,7 +40,14 @@ def _load(spec: RunnerSpec, at: RankPlacement) -> ModelRunner:
         pin_to_cores(at.local_rank, at.local_ranks)
     if at.world_size > 1:
         join_process_group(
-            at.rank, at.world_size, at.local_rank, at.master_addr, at.master_port, spec.device, at.timeout_s
+            at.rank,
+            at.world_size,
+            at.local_rank,
+            at.local_ranks,
+            at.master_addr,
+            at.master_port,
+            spec.device,
+            at.timeout_s,
         )
     return ModelRunner.from_spec(spec)
 
