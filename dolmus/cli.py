@@ -14,7 +14,7 @@ from typing import TypeVar
 from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
-from dolmus.config import EngineConfig, ServerConfig, SpeculativeConfig, TierSpec
+from dolmus.config import EngineConfig, KVEventsConfig, ServerConfig, SpeculativeConfig, TierSpec
 from dolmus.entrypoints.chat_cli import add_chat_args, run_chat
 
 T = TypeVar("T")
@@ -51,6 +51,17 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.from_dict(raw)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"speculative config: {exc}") from None
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """`--kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'` (vLLM's keys)."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a JSON object")
+        return KVEventsConfig.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"kv events config: {exc}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +180,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.speculative_config,
         help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}',
+    )
+    g.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=d.kv_events_config,
+        help="KV cache events for cache-aware routers as JSON, vLLM's keys: "
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558", "topic": "kv-events"} (also publisher, buffer_steps, hwm, max_queue_size)',
     )
 
 

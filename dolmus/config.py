@@ -169,6 +169,67 @@ class SpeculativeConfig:
         return cls(**raw)
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+def _check_zmq_address(name: str, value: Any) -> None:
+    if not isinstance(value, str) or "://" not in value:
+        raise ValueError(
+            f"kv_events_config: {name} must be a ZMQ address (tcp://host:port, ipc://path), got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events for cache-aware routers, with vLLM's keys and defaults
+    (`kv_events_config={"enable_kv_cache_events": true, ...}`): the stream itself is
+    engine/kv_events.py's. The default endpoint binds every interface, as vLLM's does, and the
+    events carry prompt token ids: give an address only the router can reach."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # null | zmq; None: zmq when enabled, else null (as vLLM)
+    endpoint: str = "tcp://*:5557"  # PUB socket: binds for a wildcard host or ipc://, else connects
+    replay_endpoint: str | None = None  # ROUTER socket (always binds) serving missed batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket (messages per subscriber)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("enable_kv_cache_events", bool), ("endpoint", str), ("topic", str)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(f"kv_events_config: {name} must be a {kind.__name__}, got {value!r}")
+        for name, least in (("buffer_steps", 0), ("hwm", 1), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv_events_config: {name} must be an integer >= {least}, got {value!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(
+                f"kv_events_config: publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, "
+                f"got {self.publisher!r}"
+            )
+        if self.publishes:
+            _check_zmq_address("endpoint", self.endpoint)
+            if self.replay_endpoint is not None:
+                _check_zmq_address("replay_endpoint", self.replay_endpoint)
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events leave the engine at all (enabled, with a real publisher)."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVEventsConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**raw)
+
+
 @dataclass
 class EngineConfig:
     """Everything a user can set on an engine. `None` means "derive it from the model"."""
@@ -231,6 +292,8 @@ class EngineConfig:
     tier_specs: tuple[TierSpec, ...] = ()
     # Speculative decoding (a SpeculativeConfig or a dict of its keys); None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # KV cache events for cache-aware routers (a KVEventsConfig or a dict of vLLM's keys); None: off.
+    kv_events_config: KVEventsConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -249,6 +312,8 @@ class EngineConfig:
         check_tiers(self.tier_specs)
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if isinstance(self.kv_events_config, dict):
+            self.kv_events_config = KVEventsConfig.from_dict(self.kv_events_config)
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes

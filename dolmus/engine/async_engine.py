@@ -92,7 +92,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._fail_all(EngineDeadError("the server is shutting down"))
-        await asyncio.to_thread(self.engine.executor.shutdown)
+        await asyncio.to_thread(self.engine.shutdown)  # executor workers, KV event sockets
 
     @property
     def is_running(self) -> bool:

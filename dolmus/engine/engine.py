@@ -22,6 +22,7 @@ from dolmus.config import EngineConfig, ModelConfig, SpeculativeConfig
 from dolmus.engine.admission import AdmissionControl, RequestRefused
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.executor import Executor, WorkerDiedError, make_executor
@@ -140,7 +141,16 @@ class Engine:
                 capacity,
             )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        try:  # last to fail: a port in use must not leave worker processes behind
+            self._kv_events = make_publisher(config.kv_events_config, config.block_size)
+        except Exception:
+            self.executor.shutdown()
+            raise
+        if self._kv_events is not None and not config.enable_prefix_caching:
+            logger.warning("KV cache events are on but prefix caching is off: there will be none")
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, self._kv_events is not None
+        )
         budget = config.resolve_batched_tokens(self.device, self.executor.info.step_tokens)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
@@ -179,9 +189,12 @@ class Engine:
         return True
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (if any); the engine is unusable afterwards."""
+        """Stop the executor's workers (if any) and the KV event publisher (if any); the engine
+        is unusable afterwards."""
         self.abort_all()
         self.executor.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
@@ -325,6 +338,7 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
+        self._publish_kv_events()
         elapsed = time.monotonic() - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
         self.admission.observe_step(elapsed, sched.num_batched_tokens)
@@ -353,6 +367,13 @@ class Engine:
                     ),
                 )
             )
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step that changed the prefix cache, as vLLM sends (none when idle)."""
+        if self._kv_events is not None:
+            records = self.kv.take_events()
+            if records:
+                self._kv_events.publish(records)
 
     def take_refusals(self) -> list[tuple[str, RequestRefused]]:
         """Requests the engine dropped since the last call, with why (each is gone from it)."""
@@ -453,6 +474,7 @@ class Engine:
             self.kv.commit_step()
         finally:
             self.kv.free(request)
+            self._publish_kv_events()  # the scored prompt's blocks stay cached
         logits = torch.cat(chunks)
         return torch.log_softmax(logits.float(), dim=-1)
 

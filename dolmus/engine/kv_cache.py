@@ -5,6 +5,10 @@ this module hands out block ids. Prefix caching keys every *full* block by a cha
 (parent hash + the block's tokens), so two requests with the same first k blocks share them.
 A block whose last user left keeps its hash and sits in a free queue in LRU order; it is
 only forgotten when the queue's head is taken for new data (lazy eviction).
+
+With events on, the cache also keeps a log of what it announces and forgets (plain records,
+no sockets: the engine drains them once a step and engine/kv_events.py puts them on the
+wire), so a router outside the process can mirror which hashes this cache holds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,25 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + data).digest()
 
 
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """A run of one request's consecutive blocks whose hashes entered the cache, KV written."""
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None  # the hash before the run's first block; None: the chain's start
+    token_ids: list[int]  # every token of the run, block after block
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlocks:
+    """Hashes the cache forgot (their blocks were taken for new data)."""
+
+    block_hashes: list[bytes]
+
+
+CacheEvent = StoredBlocks | RemovedBlocks
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
@@ -37,7 +60,7 @@ class KVBlock:
 class BlockPool:
     """All blocks, the LRU free queue, and the hash -> block map of cached blocks."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: list[CacheEvent] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
         self.num_blocks = num_blocks
@@ -46,6 +69,7 @@ class BlockPool:
         # Head = least recently freed = first to be reused. Never-used blocks start there.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
+        self.events = events  # where evictions are logged; None: not logged
 
     @property
     def num_free(self) -> int:
@@ -59,14 +83,18 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
         taken = []
+        forgotten = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    forgotten.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
+        if forgotten and self.events is not None:
+            self.events.append(RemovedBlocks(forgotten))
         return taken
 
     def share(self, blocks: Sequence[KVBlock]) -> None:
@@ -102,10 +130,14 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool, with prefix-cache hit counters."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, record_events: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # What the cache announced and forgot since `take_events` last ran; None: events off.
+        self.events: list[CacheEvent] | None = [] if record_events else None
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, self.events)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already registered
         # Blocks registered during the step being scheduled, whose KV the coming forward pass
@@ -114,6 +146,9 @@ class KVCacheManager:
         self._fresh: dict[str, list[KVBlock]] = {}
         self._fresh_owner: dict[int, str] = {}  # block id -> request that will write it
         self._sharers: dict[str, set[str]] = {}  # owner -> requests that hit its fresh blocks
+        # With events on: fresh blocks that brought a new hash into the cache, per owner, as
+        # (index in the owner's chain, hash, parent hash, tokens); announced at commit_step.
+        self._unannounced: dict[str, list[tuple[int, bytes, bytes | None, list[int]]]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -202,10 +237,18 @@ class KVCacheManager:
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_published.get(request.request_id, 0)
+        hashes = request.block_hashes
         for i in range(start, num_full):
-            if self.pool.register(blocks[i], request.block_hashes[i]):
+            if self.pool.register(blocks[i], hashes[i]):
                 self._fresh.setdefault(request.request_id, []).append(blocks[i])
                 self._fresh_owner[blocks[i].block_id] = request.request_id
+                # Only a hash new to the cache is news; a second block under a known hash is not.
+                if self.events is not None and self.pool.lookup(hashes[i]) is blocks[i]:
+                    tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+                    parent = hashes[i - 1] if i else None
+                    self._unannounced.setdefault(request.request_id, []).append(
+                        (i, hashes[i], parent, tokens)
+                    )
         self._num_published[request.request_id] = max(start, num_full)
 
     def sharers_of_fresh_blocks(self, request_id: str) -> list[str]:
@@ -217,6 +260,18 @@ class KVCacheManager:
         self._fresh.clear()
         self._fresh_owner.clear()
         self._sharers.clear()
+        if self.events is not None:
+            for new in self._unannounced.values():
+                self.events.extend(_runs(new))
+            self._unannounced.clear()
+
+    def take_events(self) -> list[CacheEvent]:
+        """The events logged since the last call, oldest first (empty when events are off)."""
+        if not self.events:
+            return []
+        taken = list(self.events)
+        self.events.clear()  # the pool holds the same list
+        return taken
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted before its head.
@@ -229,6 +284,7 @@ class KVCacheManager:
             self.pool.unregister(block)
             self._fresh_owner.pop(block.block_id, None)
         self._sharers.pop(rid, None)
+        self._unannounced.pop(rid, None)  # never written, so never announced
         blocks = self.req_blocks.pop(rid, [])
         self._num_published.pop(rid, None)
         self.pool.release(list(reversed(blocks)))
@@ -257,3 +313,17 @@ class KVCacheManager:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def _runs(new: list[tuple[int, bytes, bytes | None, list[int]]]) -> list[StoredBlocks]:
+    """One event per run of consecutive blocks (as vLLM sends a request's new blocks at once)."""
+    out: list[StoredBlocks] = []
+    last = -2
+    for i, block_hash, parent, tokens in new:
+        if i == last + 1:
+            out[-1].block_hashes.append(block_hash)
+            out[-1].token_ids.extend(tokens)
+        else:
+            out.append(StoredBlocks([block_hash], parent, tokens))  # tokens: a slice of its own
+        last = i
+    return out
