@@ -360,6 +360,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=d.engine_core,
         help="process: the step loop in its own process; thread: in the API server's process",
     )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=d.data_parallel_size,
+        help="engine cores (model copies, each on its share of the cores or GPUs) behind this port",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -559,8 +559,15 @@ class ServerConfig:
     # three processes share two cores (benchmarks/serve_vs_offline.py: 0.65x of offline
     # against the split's 0.57x with 2 torch threads; 0.54x against 0.60x with 1).
     engine_core: str = choice("process", ("thread", "process"))
+    # Data parallelism: this many engine cores (each a model copy pinned to its share of the
+    # host's cores or GPUs) behind this one API port; requests placed by cached prefix, then load.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.engine_core != "process":
+            raise ValueError("data_parallel_size > 1 runs replicas as processes: engine_core must be process")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting is not None and self.max_waiting < 0:

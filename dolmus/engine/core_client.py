@@ -67,9 +67,17 @@ class FrontEnd:
 class EngineCoreClient:
     """Starts the engine core process and talks to it; the same interface as AsyncEngine."""
 
-    def __init__(self, config: EngineConfig, on_finished: OutputHook | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_finished: OutputHook | None = None,
+        cpus: list[int] | None = None,
+        visible_gpus: str | None = None,
+    ) -> None:
+        """`cpus`, `visible_gpus`: the core's share of the host (a data-parallel replica's)."""
         self.config = config
         self._on_finished = on_finished
+        self._placement = (cpus, visible_gpus)
         self._dir = tempfile.mkdtemp(prefix="dolmus-core-")
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PUSH)  # to the core
@@ -99,7 +107,13 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self.config, f"ipc://{self._dir}/inbox", f"ipc://{self._dir}/outbox", logging.root.level),
+            args=(
+                self.config,
+                f"ipc://{self._dir}/inbox",
+                f"ipc://{self._dir}/outbox",
+                logging.root.level,
+                *self._placement,
+            ),
             name="dolmus-engine-core",
         )
         self._proc.start()

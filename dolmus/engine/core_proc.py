@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
+import os
 import signal
 import traceback
 
@@ -43,9 +44,21 @@ _COMPILE_POLL_MS = 5  # while grammars compile, how often an idle loop looks for
 _HEALTH_POLL_MS = 1000  # how often an idle loop checks that the executor's ranks are alive
 
 
-def run_engine_core(config: EngineConfig, inbox_addr: str, outbox_addr: str, log_level: int) -> None:
-    """Process entry point: load the engine, then serve commands until Shutdown."""
+def run_engine_core(
+    config: EngineConfig,
+    inbox_addr: str,
+    outbox_addr: str,
+    log_level: int,
+    cpus: list[int] | None = None,
+    visible_gpus: str | None = None,
+) -> None:
+    """Process entry point: load the engine, then serve commands until Shutdown. `cpus` and
+    `visible_gpus` confine it (and the rank processes it starts) to a share of the host."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    if visible_gpus is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
     die_with_parent()  # the API server's exit takes the core (and the model's memory) along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C and SIGTERM are the API server's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

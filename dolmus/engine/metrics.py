@@ -144,6 +144,10 @@ class EngineMetrics:
         self._app_prompt.labels(*labels).inc(len(output.prompt_token_ids or []))
         self._app_generation.labels(*labels).inc(sum(len(c.token_ids) for c in output.outputs))
 
+    def add_replicas(self, stats: Callable[[], list[EngineStats]]) -> None:
+        """Per-replica gauges beside the merged ones (data parallelism), labelled `replica`."""
+        self.registry.register(_ReplicaCollector(self.model_name, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -262,6 +266,28 @@ class _StatsCollector(Collector):
                 "Busy cost per 1M generated tokens at --gpu-hour-cost.",
                 output * 1e6,
             )
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], list[EngineStats]]) -> None:
+        self._model = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        parts = self._stats()
+        families = (  # (kind, name, doc, EngineStats field)
+            (GaugeMetricFamily, "num_requests_running", "Running sequences", "num_running"),
+            (GaugeMetricFamily, "num_requests_waiting", "Waiting sequences", "num_waiting"),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache use (0-1)", "kv_usage"),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found", "prefix_cache_hits"),
+            (CounterMetricFamily, "generation_tokens", "Generated tokens", "generation_tokens"),
+        )
+        for kind, name, doc, field in families:
+            family = kind(f"dolmus:replica_{name}", f"{doc}, by replica.", labels=["model_name", "replica"])
+            for i, s in enumerate(parts):
+                family.add_metric([self._model, str(i)], getattr(s, field))
+            yield family
 
 
 def cost_per_token(s: EngineStats, cost_per_hour: float) -> tuple[float, float]:

@@ -24,6 +24,7 @@ from dolmus import __version__
 from dolmus.config import EngineConfig, ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
+from dolmus.engine.data_parallel import DataParallelClient
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.outputs import RequestOutput
@@ -59,7 +60,7 @@ class ServerState:
         if not engine_config.tier_specs:  # the tiers file's reservations and rules, to the scheduler
             engine_config = dataclasses.replace(engine_config, tier_specs=self.access.engine_tiers())
         self.engine_config = engine_config
-        self.engine: AsyncEngine | EngineCoreClient | None = None
+        self.engine: AsyncEngine | EngineCoreClient | DataParallelClient | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: EngineMetrics | None = None
         self.live: LiveStats | None = None
@@ -83,10 +84,14 @@ class ServerState:
 
     async def load(self) -> None:
         try:
-            if self.server_config.engine_core == "process":
-                engine: AsyncEngine | EngineCoreClient = EngineCoreClient(
-                    self.engine_config, on_finished=self._observe_finished
+            replicas = self.server_config.data_parallel_size
+            if replicas > 1:
+                engine: AsyncEngine | EngineCoreClient | DataParallelClient = DataParallelClient(
+                    self.engine_config, replicas, on_finished=self._observe_finished
                 )
+                await engine.start()
+            elif self.server_config.engine_core == "process":
+                engine = EngineCoreClient(self.engine_config, on_finished=self._observe_finished)
                 await engine.start()
             else:
                 local = await asyncio.to_thread(Engine, self.engine_config, True)
@@ -99,6 +104,8 @@ class ServerState:
                 self.on_load_failure()
             return
         metrics = EngineMetrics(self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost)
+        if isinstance(engine, DataParallelClient):
+            metrics.add_replicas(lambda: engine.replica_stats)
         engine.engine.grammars.on_compiled = metrics.grammar_compile.observe
         self.metrics = metrics
         self.live = LiveStats(lambda: engine.stats, self.server_config.gpu_hour_cost)
@@ -152,6 +159,8 @@ class ServerState:
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "speculative": None if spec is None else dataclasses.asdict(spec),
                 "engine_core": self.server_config.engine_core,
+                "tensor_parallel_size": config.tensor_parallel_size,
+                "data_parallel_size": self.server_config.data_parallel_size,
                 "tiers": list(self.access.tiers),
             },
         }

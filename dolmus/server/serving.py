@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dolmus.config import ServerConfig
 from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
+from dolmus.engine.core_client import EngineCoreClient
+from dolmus.engine.data_parallel import DataParallelClient
 from dolmus.engine.engine import CHILD_SEP
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import CompletionOutput, RequestOutput
@@ -115,7 +117,7 @@ class _Unsent:
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | EngineCoreClient | DataParallelClient,
         model_name: str,
         chat_template: str | None = None,
         max_waiting: int | None = None,
