@@ -74,7 +74,7 @@ def test_two_replicas_behind_one_port(tmp_path) -> None:
     with RemoteServer(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         got = []
-        for prompt in prompts:  # one at a time: placement sees idle replicas, only the caches differ
+        for prompt in prompts:  # one at a time: the replicas idle, only their caches differ
             answer = client.completions.create(
                 model="stories260k",
                 prompt=prompt,
