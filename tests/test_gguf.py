@@ -306,3 +306,16 @@ def test_a_gguf_tokenizer_is_built_once_and_cached(tmp_path, monkeypatch) -> Non
     (entry / "tokenizer.json").write_text("{broken")
     assert gguf_tokenizer(out).encode(text) == built.encode(text)
     assert LLM(model=str(out), dtype="float32").tokenizer.encode(text) == built.encode(text)
+
+
+def test_a_cached_tokenizer_keeps_the_pipeline_built_from_the_file(tmp_path, monkeypatch, model_root) -> None:
+    """A Qwen2 file carrying a SentencePiece vocabulary: transformers' Qwen2Tokenizer class
+    would lay its own byte-level pre-tokenizer over the cached copy; the cache must encode as
+    the tokenizer built from the file did (else a second start tokenizes differently)."""
+    from dolmus.runtime.gguf_loader import gguf_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "qwen2.gguf"
+    _convert(build_model_dir("qwen2", model_root), out, "q8_0")
+    text = "Once upon a time, Lily's dog ran.\n\nThe  end"
+    assert gguf_tokenizer(out).encode(text) == gguf_tokenizer(out).encode(text)

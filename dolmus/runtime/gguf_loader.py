@@ -185,14 +185,17 @@ def gguf_tokenizer(path: Path) -> Any:
 
     Building it converts the vocabulary and merges in Python (~2 s for a 49k-token chat
     model), so the result is saved once per file (keyed by path, size and modification time)
-    under `$XDG_CACHE_HOME/dolmus/gguf-tokenizers` and loaded from there next time (~0.2 s).
+    under `$XDG_CACHE_HOME/dolmus/gguf-tokenizers` and loaded from there next time (~0.2 s),
+    encoding as the one built from the file did.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cached = _tokenizer_cache_dir(path)
     if cached is not None and cached.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            # The saved pipeline exactly: a class such as Qwen2Tokenizer would put its own
+            # pre-tokenizer over the one converted from the file's vocabulary type.
+            return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
         except Exception as exc:  # a damaged entry: build afresh
             logger.warning("GGUF tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
     with _shared_reader(path):
