@@ -223,3 +223,17 @@ def test_served_with_two_ranks_then_a_dead_rank_turns_health_503(llama_dir) -> N
             client.with_options(max_retries=0).completions.create(
                 model=str(llama_dir), prompt="Lily", max_tokens=4
             )
+
+
+def test_gguf_blocks_split_on_block_boundaries_under_tensor_parallelism(model_root, tp2, tmp_path) -> None:
+    """Q4_0 codes as stored: each rank takes whole blocks of the row-parallel layers' inputs,
+    whole rows elsewhere (the Qwen2 fixture's one KV head on both ranks, its tied head's codes)."""
+    from conftest import build_model_dir
+
+    from dolmus.convert import convert_to_gguf
+
+    gguf = convert_to_gguf(str(build_model_dir("qwen2", model_root)), str(tmp_path / "q4_0.gguf"), "q4_0")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(gguf), dtype="float32").generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in tp2(str(gguf), dtype="float32").generate(PROMPTS, params)]
+    assert got == want

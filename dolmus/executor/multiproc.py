@@ -209,6 +209,9 @@ class MultiprocExecutor(Executor):
             sender, kind, payload = self._receive(self.timeout_s)
             if kind == b"failed":
                 raise self._fail(f"a rank failed the step:\n{payload.decode()}")
+            if kind not in (b"result", b"digest"):  # e.g. a `dolmus worker` restarted mid-run
+                logger.warning("executor: ignored %r from %s while a step ran", kind, sender.decode())
+                continue
             answers[sender] = (kind, payload)
         result = answers[rank_name(0)][1]
         expected = digest(result)
