@@ -19,6 +19,7 @@ from server_helpers import RemoteServer
 from dolmus import LLM, SamplingParams
 from dolmus.config import ModelConfig
 from dolmus.executor import WorkerDiedError
+from dolmus.step import StepPlan
 
 SYSTEM = "Once upon a time there was a little girl named Lily who lived in a small house. "
 PROMPTS = [SYSTEM + "She liked", SYSTEM + "One day she", "The cat sat on the mat and", SYSTEM + "Lily"]
@@ -141,6 +142,15 @@ def test_a_hung_rank_fails_the_engine_within_the_distributed_timeout(llama_dir, 
         assert "in 5 s" in str(errors[0]) or "failed the step" in str(errors[0])
     finally:
         os.kill(stopped, signal.SIGCONT)
+
+
+def test_a_rank_that_raises_fails_the_engine_with_its_traceback(llama_dir, tp2) -> None:
+    """A plan the runners cannot follow (a request they never saw) raises on every rank: the
+    engine learns it from the first rank's answer, not from a collective that never ends."""
+    llm = tp2(str(llama_dir), dtype="float32")
+    with pytest.raises(WorkerDiedError, match=r"(?s)failed the step.*rank \d.*KeyError: 'never-added'"):
+        llm.engine.executor.execute(StepPlan(num_scheduled_tokens={"never-added": 1}))
+    assert not llm.engine.is_healthy()
 
 
 def test_bad_parallel_settings_are_refused(llama_dir) -> None:
