@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from dolmus.bench.bench import add_bench_args, run_bench
@@ -42,26 +42,25 @@ def _tier_specs(text: str) -> tuple[TierSpec, ...]:
         raise argparse.ArgumentTypeError(f"tier specs: {exc}") from None
 
 
-def _speculative_config(text: str) -> SpeculativeConfig:
-    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (vLLM's keys)."""
+def _json_object(text: str, what: str, build: Callable[[dict], T]) -> T:
+    """A flag's JSON object, built into its config class; argparse's error naming `what`."""
     try:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("a JSON object")
-        return SpeculativeConfig.from_dict(raw)
+        return build(raw)
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"speculative config: {exc}") from None
+        raise argparse.ArgumentTypeError(f"{what}: {exc}") from None
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (vLLM's keys)."""
+    return _json_object(text, "speculative config", SpeculativeConfig.from_dict)
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'` (vLLM's keys)."""
-    try:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("a JSON object")
-        return KVEventsConfig.from_dict(raw)
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"kv events config: {exc}") from None
+    return _json_object(text, "kv events config", KVEventsConfig.from_dict)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

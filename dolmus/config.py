@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -110,6 +110,18 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
 
 
+_Config = TypeVar("_Config")
+
+
+def from_known_keys(cls: type[_Config], raw: dict[str, Any], what: str) -> _Config:
+    """`cls(**raw)`, refusing keys it does not have with a message naming `what`."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**raw)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, with vLLM's keys (`speculative_config={"method": "ngram", ...}`)."""
@@ -162,11 +174,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**raw)
+        return from_known_keys(cls, raw, "speculative_config")
 
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -223,11 +231,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KVEventsConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**raw)
+        return from_known_keys(cls, raw, "kv_events_config")
 
 
 @dataclass
