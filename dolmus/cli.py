@@ -186,7 +186,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.kv_events_config,
         help="KV cache events for cache-aware routers as JSON, vLLM's keys: "
         '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
-        '"tcp://*:5558", "topic": "kv-events"} (also publisher, buffer_steps, hwm, max_queue_size)',
+        '"tcp://*:5558", "topic": "kv-events"} (also publisher, buffer_steps, hwm, max_queue_size; '
+        "ours: bind)",
     )
 
 

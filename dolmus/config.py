@@ -202,12 +202,19 @@ class KVEventsConfig:
     hwm: int = 100_000  # ZMQ high-water mark of the PUB socket (messages per subscriber)
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
     topic: str = ""
+    # Ours, not vLLM's: whether the PUB socket binds `endpoint` (true) or connects to it (false).
+    # None keeps vLLM's rule (a wildcard host or ipc:// binds). A router that connects to its
+    # sources (vllm-router's --kv-event-source) needs a bound publisher; true binds a loopback
+    # address such as tcp://127.0.0.1:5557, where vLLM's rule would only bind every interface.
+    bind: bool | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("enable_kv_cache_events", bool), ("endpoint", str), ("topic", str)):
             value = getattr(self, name)
             if not isinstance(value, kind):
                 raise ValueError(f"kv_events_config: {name} must be a {kind.__name__}, got {value!r}")
+        if self.bind is not None and not isinstance(self.bind, bool):
+            raise ValueError(f"kv_events_config: bind must be true, false or null, got {self.bind!r}")
         for name, least in (("buffer_steps", 0), ("hwm", 1), ("max_queue_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -20,7 +20,7 @@ import httpx
 from dolmus.bench.dataset import BenchRequest, LengthDist, PromptMaker, load_sharegpt, load_trace, synthetic
 from dolmus.bench.loadgen import CompletionsClient, Load, RequestResult, run_load, validate_load
 from dolmus.bench.report import text_table, write_outputs
-from dolmus.bench.server_metrics import run_delta, scrape
+from dolmus.bench.server_metrics import run_delta, scrape_all
 from dolmus.bench.spawn import ServerProcess
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
 from dolmus.config import DEFAULT_MODEL_DIR
@@ -45,6 +45,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-args", default=None, help="start `dolmus serve ARGS` and benchmark it")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        help="server whose /metrics is read before and after each run (default: --base-url); "
+        "repeat it for every replica behind a router, whose counters are added up",
+    )
     add_dataset_args(parser)
     g = parser.add_argument_group("load (one kind; a comma list sweeps)")
     g.add_argument("--concurrency", default=None, help="requests in flight, e.g. 1,4,16 (default 8)")
@@ -134,6 +141,7 @@ async def _bench(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     loads, _ = loads_from_args(args, args.dataset.startswith("trace:"))
     slo = parse_slo(args.slo)
+    metric_roots = [u.rstrip("/").removesuffix("/v1") for u in args.metrics_url or [root]]
     runs = []
     async with httpx.AsyncClient(headers=headers) as http:
         model = args.model or await _first_model(http, api)
@@ -145,9 +153,9 @@ async def _bench(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]
                 await client.send(-1, BenchRequest(f"Warm-up request {i}.", 8), 0.0)
             for i, load in enumerate(loads):
                 requests = load_requests(args, model, run_index=i)
-                before = await scrape(http, root)
+                before = await scrape_all(http, metric_roots)
                 results, duration = await _run_with_progress(client, requests, load, args)
-                after = await scrape(http, root)
+                after = await scrape_all(http, metric_roots)
                 runs.append(make_run(load, results, duration, slo, run_delta(before, after)))
         finally:
             await client.close()

@@ -1,7 +1,9 @@
 """What a server says about a run, read from its Prometheus /metrics before and after.
 
 dolmus (`dolmus:`) and vLLM (`vllm:`) use the same names for the figures read here; a server
-without /metrics (llama.cpp without --metrics) simply yields nothing.
+without /metrics (llama.cpp without --metrics) simply yields nothing. dolmus also renders some
+figures under vLLM's names for schedulers (engine/metrics.py), so one prefix is read per server,
+never both: the first of _PREFIXES that has samples.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ async def scrape(http: httpx.AsyncClient, root_url: str) -> dict[str, float] | N
         return None
     if response.status_code != 200:
         return None
-    samples: dict[str, float] = {}
+    by_prefix: dict[str, dict[str, float]] = {prefix: {} for prefix in _PREFIXES}
     try:
         for family in text_string_to_metric_families(response.text):
             for s in family.samples:
-                for prefix in _PREFIXES:
+                for prefix, samples in by_prefix.items():
                     if s.name.startswith(prefix):
                         key = s.name[len(prefix) :]
                         if "finished_reason" in s.labels:
@@ -34,7 +36,23 @@ async def scrape(http: httpx.AsyncClient, root_url: str) -> dict[str, float] | N
                         samples[key] = samples.get(key, 0.0) + s.value
     except ValueError:
         return None
-    return samples or None
+    return next((samples for samples in by_prefix.values() if samples), None)
+
+
+async def scrape_all(http: httpx.AsyncClient, root_urls: list[str]) -> dict[str, float] | None:
+    """Several servers read as one fleet (the replicas behind a router: a router's own /metrics
+    is not theirs, and vllm-router hands /metrics to one replica at a time). Counters and
+    histogram sums add up; the cost gauges are each server's own and are left out."""
+    parts = [await scrape(http, url) for url in root_urls]
+    if len(parts) == 1 or any(p is None for p in parts):
+        return parts[0] if len(parts) == 1 else None
+    merged: dict[str, float] = {}
+    for part in parts:
+        assert part is not None
+        for key, value in part.items():
+            if not key.startswith("cost_per_million"):
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
 
 
 def run_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:

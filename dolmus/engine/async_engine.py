@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dolmus.engine.engine import Engine, EngineStats, RequestSummary
 from dolmus.outputs import RequestOutput
@@ -51,6 +52,13 @@ class _Summaries:
     """Asks the step thread for the request list (read between steps, never during one)."""
 
     future: asyncio.Future[list[RequestSummary]]
+
+
+@dataclass
+class _ResetPrefixCache:
+    """Asks the step thread to forget the cached prefixes (between steps, only when idle)."""
+
+    future: asyncio.Future[bool]
 
 
 _STOP = object()
@@ -154,6 +162,14 @@ class AsyncEngine:
         self._inbox.put(_Summaries(future))
         return await future
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests are in the engine."""
+        if self._error is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running")
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._inbox.put(_ResetPrefixCache(future))
+        return await future
+
     # -- the step thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -206,6 +222,8 @@ class AsyncEngine:
                 self.engine.abort_request(item.request_id)
             elif isinstance(item, _Summaries):
                 self._call_soon(_resolve, item.future, self.engine.request_summaries())
+            elif isinstance(item, _ResetPrefixCache):
+                self._call_soon(_resolve, item.future, self.engine.reset_prefix_cache())
         if items:
             # The snapshot now counts the new requests, so the event loop may stop counting them.
             self._stats = self.engine.stats()
@@ -276,6 +294,6 @@ def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return newer
 
 
-def _resolve(future: asyncio.Future[list[RequestSummary]], value: list[RequestSummary]) -> None:
+def _resolve(future: asyncio.Future[Any], value: object) -> None:
     if not future.done():  # the asking handler may have been cancelled meanwhile
         future.set_result(value)

@@ -33,8 +33,10 @@ from dolmus.engine.core_protocol import (
     CoreDied,
     ListRequests,
     LoadFailed,
+    PrefixCacheReset,
     Ready,
     RequestList,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     from_core_decoder,
@@ -92,7 +94,8 @@ class EngineCoreClient:
         self._stats: EngineStats | None = None
         self._error: str | None = None
         self._closing = False
-        self._lists: dict[int, asyncio.Future[list[RequestSummary]]] = {}  # token -> waiting asker
+        # token -> waiting asker (a request list, or whether a prefix-cache reset happened)
+        self._lists: dict[int, asyncio.Future[Any]] = {}
         self._next_token = 0
         self.engine: FrontEnd | None = None
 
@@ -231,14 +234,22 @@ class EngineCoreClient:
 
     async def request_summaries(self) -> list[RequestSummary]:
         """The sequences in the core's engine now (the core answers between steps)."""
+        return await self._ask(ListRequests)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the core's cached prefixes; False while requests are in its engine."""
+        return await self._ask(ResetPrefixCache)
+
+    async def _ask(self, kind: type[ListRequests] | type[ResetPrefixCache]) -> Any:
+        """Send a question the core answers between steps, and wait for its answer."""
         if not self.is_running:
             raise EngineDeadError(self._error or "the engine is not running")
         self._next_token += 1
         token = self._next_token
-        future: asyncio.Future[list[RequestSummary]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._lists[token] = future
         try:
-            await self._inbox.send(to_core_encoder.encode(ListRequests(token)))
+            await self._inbox.send(to_core_encoder.encode(kind(token)))
             return await future
         finally:
             self._lists.pop(token, None)
@@ -253,10 +264,10 @@ class EngineCoreClient:
                 logger.error("engine core: %s", msg.message)
                 self._fail_all(EngineDeadError(msg.message.splitlines()[0]))
                 return
-            if isinstance(msg, RequestList):
+            if isinstance(msg, RequestList | PrefixCacheReset):
                 future = self._lists.get(msg.token)
                 if future is not None and not future.done():
-                    future.set_result(msg.requests)
+                    future.set_result(msg.requests if isinstance(msg, RequestList) else msg.done)
                 continue
             if not isinstance(msg, StepOutputs):
                 continue

@@ -26,9 +26,11 @@ from dolmus.engine.core_protocol import (
     CoreDied,
     ListRequests,
     LoadFailed,
+    PrefixCacheReset,
     Ready,
     RequestError,
     RequestList,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     from_core_encoder,
@@ -141,6 +143,9 @@ class _CoreLoop:
             elif isinstance(msg, ListRequests):
                 reply = RequestList(msg.token, self.engine.request_summaries())
                 self.outbox.send(from_core_encoder.encode(reply))
+            elif isinstance(msg, ResetPrefixCache):
+                done = self.engine.reset_prefix_cache()
+                self.outbox.send(from_core_encoder.encode(PrefixCacheReset(msg.token, done)))
             else:
                 self._add(msg)
 

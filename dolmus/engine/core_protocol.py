@@ -36,7 +36,13 @@ class ListRequests(msgspec.Struct, tag=True):
     token: int
 
 
-ToCore = AddRequest | AbortRequest | Shutdown | ListRequests
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Asks the core to forget its cached prefixes; answered by a PrefixCacheReset."""
+
+    token: int
+
+
+ToCore = AddRequest | AbortRequest | Shutdown | ListRequests | ResetPrefixCache
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -76,7 +82,12 @@ class RequestList(msgspec.Struct, tag=True):
     requests: list[RequestSummary]
 
 
-FromCore = Ready | LoadFailed | StepOutputs | CoreDied | RequestList
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    token: int
+    done: bool  # False: requests were in the engine, nothing was forgotten
+
+
+FromCore = Ready | LoadFailed | StepOutputs | CoreDied | RequestList | PrefixCacheReset
 
 to_core_encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

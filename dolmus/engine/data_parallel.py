@@ -149,3 +149,13 @@ class DataParallelClient:
     async def request_summaries(self) -> list[RequestSummary]:
         lists = await asyncio.gather(*(r.request_summaries() for r in self.replicas))
         return [s for part in lists for s in part]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica forgets its cached prefixes (and the placement index with them);
+        False if any replica had requests in flight."""
+        done = await asyncio.gather(*(r.reset_prefix_cache() for r in self.replicas))
+        if all(done):
+            self.placement = ReplicaPlacement(len(self.replicas), self.config.block_size)
+            for i, replica in enumerate(self.replicas):
+                self.placement.set_capacity(i, replica.stats.kv_blocks_total)
+        return all(done)

@@ -293,6 +293,15 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (SGLang's /flush_cache, vLLM's reset_prefix_cache): a
+        clean slate for a benchmark or after swapping what the weights mean. Only while idle,
+        as both engines do; False, changing nothing, while any request is in the engine."""
+        if self.has_unfinished_requests() or not self.kv.forget_all():
+            return False
+        self._publish_kv_events()  # AllBlocksCleared: routers forget this replica's blocks
+        return True
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._groups)

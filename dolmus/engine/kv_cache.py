@@ -47,7 +47,12 @@ class RemovedBlocks:
     block_hashes: list[bytes]
 
 
-CacheEvent = StoredBlocks | RemovedBlocks
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The cache forgot every hash at once (a prefix-cache reset)."""
+
+
+CacheEvent = StoredBlocks | RemovedBlocks | AllCleared
 
 
 @dataclass(eq=False)
@@ -118,6 +123,19 @@ class BlockPool:
         block.block_hash = block_hash
         # The first block computed under a hash stays the canonical one.
         self._cached.setdefault(block_hash, block)
+        return True
+
+    def forget_all(self) -> bool:
+        """Forget every cached hash; False (nothing changed) while any block has a user, whose
+        request still reads what its hashes promise."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        had_any = bool(self._cached)
+        self._cached.clear()
+        if had_any and self.events is not None:
+            self.events.append(AllCleared())
         return True
 
     def unregister(self, block: KVBlock) -> None:
@@ -264,6 +282,10 @@ class KVCacheManager:
             for new in self._unannounced.values():
                 self.events.extend(_runs(new))
             self._unannounced.clear()
+
+    def forget_all(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
+        return self.pool.forget_all()
 
     def take_events(self) -> list[CacheEvent]:
         """The events logged since the last call, oldest first (empty when events are off)."""

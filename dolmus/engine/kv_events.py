@@ -13,6 +13,11 @@ byte lets them follow dolmus with no adapter of their own. The wire:
   vllm-project/vllm#42892 (June 2026) made them maps so that new fields stop breaking
   subscribers; consumers updated since (llm-d-kv-cache's #661, vllm-router's kv_index wire
   types, Dynamo) read the maps, and the map is what a current vLLM's own classes decode.
+- A flush (`/flush_cache`, Engine.reset_prefix_cache) sends one `AllBlocksCleared`.
+- Binding: vLLM binds `endpoint` for a wildcard host or ipc:// and otherwise connects to a
+  subscriber that binds. vllm-router connects to its sources, so it needs a bound publisher;
+  our own `bind` field (true/false, beside vLLM's keys) binds a loopback address instead of
+  every interface.
 - Replay: a ROUTER socket on `replay_endpoint`. A client sends an empty frame and a start
   sequence number (8 bytes, big-endian), as a REQ socket frames it, and gets `(empty, seq,
   payload)` for every buffered batch from there on, then `(empty, -1 as 8 signed bytes, b"")`.
@@ -55,7 +60,7 @@ import msgspec
 import zmq
 
 from dolmus.config import KVEventsConfig
-from dolmus.engine.kv_cache import CacheEvent, RemovedBlocks, StoredBlocks
+from dolmus.engine.kv_cache import AllCleared, CacheEvent, RemovedBlocks, StoredBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,8 @@ def to_wire(records: list[CacheEvent], block_size: int, ts: float) -> KVEventBat
         elif isinstance(record, RemovedBlocks):
             hashes = [external_hash(h) for h in record.block_hashes]
             events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_GPU, group_idx=0))
+        elif isinstance(record, AllCleared):
+            events.append(AllBlocksCleared())
     return KVEventBatch(ts=ts, events=events, data_parallel_rank=0)
 
 
@@ -202,7 +209,8 @@ class ZmqEventPublisher:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, LINGER_MS)
             pub.setsockopt(zmq.SNDHWM, cfg.hwm)
-            self._attach(pub, "endpoint", cfg.endpoint, binds(cfg.endpoint))
+            bind = binds(cfg.endpoint) if cfg.bind is None else cfg.bind
+            self._attach(pub, "endpoint", cfg.endpoint, bind)
             if cfg.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, LINGER_MS)

@@ -3,10 +3,18 @@
 Latency histograms are observed once per finished request from its timings. Gauges and
 counters are read at scrape time from the engine's latest stats snapshot, so the step loop
 pays nothing for them. Each server owns its own registry: no module-global state.
+
+Schedulers in front of replicas read vLLM's names and nothing else by default: llm-d's
+inference scheduler (the Gateway API Inference Extension's endpoint picker) scores by
+`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` (older
+releases `vllm:gpu_cache_usage_perc`), `vllm:lora_requests_info` and the block size in
+`vllm:cache_config_info`. VLLM_ALIASES decides which of ours are also rendered under vLLM's
+name: the same samples, so the two can never disagree, and our names stay as they are.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -27,6 +35,21 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
                     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 # fmt: on
 
+# Ours -> vLLM's names for the same figure (same type, labels and meaning as vLLM's).
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "dolmus:num_requests_running": ("vllm:num_requests_running",),
+    "dolmus:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "dolmus:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "dolmus:cache_config_info": ("vllm:cache_config_info",),
+    "dolmus:lora_requests_info": ("vllm:lora_requests_info",),
+    "dolmus:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "dolmus:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "dolmus:num_preemptions": ("vllm:num_preemptions",),
+    "dolmus:prompt_tokens": ("vllm:prompt_tokens",),
+    "dolmus:generation_tokens": ("vllm:generation_tokens",),
+    "dolmus:request_success": ("vllm:request_success",),
+}
+
 
 class EngineMetrics:
     """The metrics of one served model.
@@ -37,8 +60,14 @@ class EngineMetrics:
     """
 
     def __init__(
-        self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None = None
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        cost_per_hour: float | None = None,
+        cache_config: dict[str, str] | None = None,
     ) -> None:
+        """`cache_config`: the KV cache's settings as labels of `cache_config_info` (vLLM's
+        `block_size`, `cache_dtype`, `enable_prefix_caching`); the block count comes from stats."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -62,7 +91,7 @@ class EngineMetrics:
         self.queue = hist(
             "dolmus:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
         )
-        self.registry.register(_StatsCollector(model_name, stats, cost_per_hour))
+        self.registry.register(_StatsCollector(model_name, stats, cost_per_hour, cache_config or {}))
         # Per tier (the server's tiers file names them; a fixed set, so bounded labels).
         by_tier = ["model_name", "tier"]
         self._tier_ttft = Histogram(
@@ -149,16 +178,42 @@ class EngineMetrics:
         self.registry.register(_ReplicaCollector(self.model_name, stats))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithAliases(self.registry))
+
+
+class _WithAliases(Collector):
+    """Every family of `source` that has samples, each followed by its copies under
+    VLLM_ALIASES' names. A labelled family nothing was observed in yet (no tier, no app so
+    far) is left out, as vLLM leaves it: sglang-router's /engine_metrics merges the replicas'
+    families and refuses one whose label names differ between replicas."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if not family.samples:
+                continue
+            yield family
+            for alias in VLLM_ALIASES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                tail = len(family.name)
+                copy.samples = [s._replace(name=alias + s.name[tail:]) for s in family.samples]
+                yield copy
 
 
 class _StatsCollector(Collector):
     def __init__(
-        self, model_name: str, stats: Callable[[], EngineStats], cost_per_hour: float | None
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        cost_per_hour: float | None,
+        cache_config: dict[str, str],
     ) -> None:
         self._model = model_name
         self._stats = stats
         self._cost = cost_per_hour
+        self._cache_config = cache_config
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -183,6 +238,21 @@ class _StatsCollector(Collector):
         )
         yield gauge("dolmus:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage)
         yield gauge("dolmus:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total)
+        info = dict(self._cache_config, num_gpu_blocks=str(s.kv_blocks_total))
+        cache = GaugeMetricFamily(
+            "dolmus:cache_config_info", "The KV cache's settings, as labels (value 1).", labels=[*info]
+        )
+        cache.add_metric(list(info.values()), 1.0)
+        yield cache
+        # No LoRA adapters: none running or waiting, room for none. Pickers that weigh adapter
+        # affinity read this; vLLM's value is the time of the reading.
+        lora = GaugeMetricFamily(
+            "dolmus:lora_requests_info",
+            "LoRA adapters running and waiting (dolmus serves none), as labels.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
         yield gauge("dolmus:kv_cache_blocks_used", "KV-cache blocks held by requests.", s.kv_blocks_used)
         yield gauge(
             "dolmus:kv_cache_bytes_per_token", "KV-cache bytes per token, all layers.", s.kv_bytes_per_token

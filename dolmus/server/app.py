@@ -37,6 +37,7 @@ from dolmus.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from dolmus.server.router_compat import add_router_routes
 from dolmus.server.serving import SAMPLING_DEFAULTS, OpenAIServing
 from dolmus.server.ui_files import ui_file
 
@@ -103,7 +104,15 @@ class ServerState:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
-        metrics = EngineMetrics(self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost)
+        config = self.engine_config
+        cache_config = {
+            "block_size": str(config.block_size),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+        }
+        metrics = EngineMetrics(
+            self.model_name, lambda: engine.stats, self.server_config.gpu_hour_cost, cache_config
+        )
         if isinstance(engine, DataParallelClient):
             metrics.add_replicas(lambda: engine.replica_stats)
         engine.engine.grammars.on_compiled = metrics.grammar_compile.observe
@@ -203,6 +212,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     async def health() -> Response:
         state.ready()
         return JSONResponse({"status": "ok"})
+
+    add_router_routes(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
