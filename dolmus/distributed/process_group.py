@@ -81,8 +81,8 @@ def join_process_group(
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
-    same_host = local_ranks == world_size
-    if same_host and device.type == "cpu":
+    through_memory = local_ranks == world_size and device.type == "cpu"  # every rank on this host
+    if through_memory:
         use_shared_memory(ShmCollectives(rank, world_size, timeout_s))
     logger.debug(
         "rank %d/%d joined over %s (%s)%s",
@@ -90,7 +90,7 @@ def join_process_group(
         world_size,
         backend,
         interface or "loopback",
-        ", collectives through shared memory" if same_host and device.type == "cpu" else "",
+        ", collectives through shared memory" if through_memory else "",
     )
 
 

@@ -36,20 +36,21 @@ def replica_configs(
         logger.warning(
             "data parallel: %d replicas on %d cores: replicas are not pinned", replicas, len(cores)
         )
+    on_cpu = config.resolve_device().type == "cpu"
     out = []
-    gpus_each = config.tensor_parallel_size
     for i in range(replicas):
         changes: dict = {}
         cpus = cores[i * share : (i + 1) * share] if share >= 1 else None
-        if config.resolve_device().type == "cpu":
+        gpus = None
+        if on_cpu:
             # The KV budget is the host's: each replica plans its share of it.
             budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
             changes["kv_cache_memory"] = budget / replicas if budget <= 1 else int(budget) // replicas
             if config.num_threads is None and cpus is not None:
                 changes["num_threads"] = len(cpus)
-            gpus = None
-        else:
-            gpus = ",".join(str(g) for g in range(i * gpus_each, (i + 1) * gpus_each))
+        else:  # each replica's ranks on GPUs of their own
+            tp = config.tensor_parallel_size
+            gpus = ",".join(str(g) for g in range(i * tp, (i + 1) * tp))
         out.append((dataclasses.replace(config, **changes), cpus, gpus))
     return out
 
@@ -155,7 +156,5 @@ class DataParallelClient:
         False if any replica had requests in flight."""
         done = await asyncio.gather(*(r.reset_prefix_cache() for r in self.replicas))
         if all(done):
-            self.placement = ReplicaPlacement(len(self.replicas), self.config.block_size)
-            for i, replica in enumerate(self.replicas):
-                self.placement.set_capacity(i, replica.stats.kv_blocks_total)
+            self.placement.forget_all()
         return all(done)

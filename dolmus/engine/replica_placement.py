@@ -39,6 +39,11 @@ class ReplicaPlacement:
     def set_capacity(self, replica: int, blocks: int) -> None:
         self._capacity[replica] = max(1, blocks)
 
+    def forget_all(self) -> None:
+        """The replicas' caches were flushed: nothing is cached anywhere."""
+        for index in self._index:
+            index.clear()
+
     def _matched(self, replica: int, hashes: list[bytes]) -> int:
         index, n = self._index[replica], 0
         for h in hashes:
