@@ -92,6 +92,9 @@ def test_two_replicas_behind_one_port(tmp_path) -> None:
         # Each group's first prompt computes its 4 prefix blocks; the 6 repeats find them (round
         # robin would send half of them to the replica without them).
         assert m['dolmus:prefix_cache_hits_total{model_name="stories260k"}'] >= 6 * 4 * BLOCK
+        # the routers' view: two data-parallel ranks, each with its own load
+        assert httpx.get(f"{server.url}/server_info", timeout=10).json()["dp_size"] == 2
+        assert [e["dp_rank"] for e in httpx.get(f"{server.url}/get_load", timeout=10).json()] == [0, 1]
         cores = [_allowed_cpus(pid) for pid in _core_pids(server.proc.pid)]
         if len(os.sched_getaffinity(0)) >= 2:
             assert len(cores) == 2 and cores[0] != cores[1], cores  # each replica on its own share

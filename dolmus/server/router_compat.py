@@ -43,7 +43,7 @@ def add_router_routes(app: FastAPI, state: ServerState) -> None:
             "tokenizer_path": str(config.tokenizer or config.model_path),
             "version": __version__,
             "tp_size": config.tensor_parallel_size,
-            "dp_size": 1,
+            "dp_size": state.server_config.data_parallel_size,
             "context_length": serving.max_model_len,
             "page_size": config.block_size,
             "max_total_num_tokens": stats.kv_capacity_tokens,
@@ -74,16 +74,20 @@ def add_router_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_load")
     async def get_load() -> Response:
         """SGLang's per-rank load: sequences in the engine, those waiting, and KV tokens held
-        (sglang-router sums `num_tokens` for its power_of_two policy)."""
-        stats = state.ready().engine.stats
+        (sglang-router sums `num_tokens` for its power_of_two policy); one entry per
+        data-parallel replica."""
+        engine = state.ready().engine
+        parts = getattr(engine, "replica_stats", None) or [engine.stats]
+        block = state.engine_config.block_size
         return JSONResponse(
             [
                 {
-                    "dp_rank": 0,
-                    "num_reqs": stats.num_running + stats.num_waiting,
-                    "num_waiting_reqs": stats.num_waiting,
-                    "num_tokens": stats.kv_blocks_used * state.engine_config.block_size,
+                    "dp_rank": rank,
+                    "num_reqs": s.num_running + s.num_waiting,
+                    "num_waiting_reqs": s.num_waiting,
+                    "num_tokens": s.kv_blocks_used * block,
                 }
+                for rank, s in enumerate(parts)
             ]
         )
 
