@@ -14,7 +14,14 @@ from typing import TypeVar
 from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
-from dolmus.config import EngineConfig, KVEventsConfig, ServerConfig, SpeculativeConfig, TierSpec
+from dolmus.config import (
+    EngineConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ServerConfig,
+    SpeculativeConfig,
+    TierSpec,
+)
 from dolmus.entrypoints.chat_cli import add_chat_args, run_chat
 
 T = TypeVar("T")
@@ -61,6 +68,11 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 def _kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'` (vLLM's keys)."""
     return _json_object(text, "kv events config", KVEventsConfig.from_dict)
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    """`--kv-transfer-config '{"kv_role": "kv_producer", "kv_port": 14579}'` (vLLM's keys)."""
+    return _json_object(text, "kv transfer config", KVTransferConfig.from_dict)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +200,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
         '"tcp://*:5558", "topic": "kv-events"} (also publisher, buffer_steps, hwm, max_queue_size; '
         "ours: bind)",
+    )
+    g.add_argument(
+        "--kv-offload",
+        default=d.kv_offload,
+        help="a KV tier below the cache that keeps evicted prefixes and preempted requests' work: "
+        "cpu (host RAM) or disk:PATH (survives restarts)",
+    )
+    g.add_argument("--kv-offload-size", type=float, default=d.kv_offload_size, help="the tier's size in GiB")
+    g.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        default=d.kv_transfer_config,
+        help="disaggregated prefill/decode as JSON, vLLM's keys: "
+        '{"kv_role": "kv_producer"|"kv_consumer"|"kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579, '
+        '"kv_buffer_size": 1e9, "kv_load_failure_policy": "fail"|"recompute", "kv_transfer_timeout": 30}',
     )
 
 

@@ -1,23 +1,20 @@
 """Engine and model configuration: the one place where defaults live.
 
 `EngineConfig` holds what a user chooses (CLI flags map one-to-one onto its fields);
-`ModelConfig` holds what the checkpoint's config.json says, normalised across the
-transformers 4.x (`rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`)
-spellings so the rest of the engine reads one shape. The fields every architecture shares
-are read here (`parse_common_fields`); each architecture's file under runtime/models adds
-its own facts and registers itself (runtime/models/registry.py).
+`ModelConfig` (model_config.py) holds what the checkpoint's config.json says.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+# ModelConfig lives in model_config.py; importers of dolmus.config still find it here.
+from dolmus.model_config import DTYPE_NAMES, ModelConfig, parse_common_fields  # noqa: F401
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
@@ -36,17 +33,6 @@ DEFAULT_CPU_BATCHED_TOKENS = 512
 AMX_CPU_BATCHED_TOKENS = 2048
 DEFAULT_GPU_BATCHED_TOKENS = 2048
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
 
 def choice(default: Any, choices: tuple[Any, ...]) -> Any:
     """A config field restricted to `choices`: validated here, and the CLI flag offers the same."""
@@ -54,7 +40,7 @@ def choice(default: Any, choices: tuple[Any, ...]) -> Any:
 
 
 QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHEDTYPE_NAMES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "native")  # runtime/attention's registry, plus auto
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "llguidance")  # structured/backend.py
 
@@ -241,13 +227,79 @@ class KVEventsConfig:
         return from_known_keys(cls, raw, "kv_events_config")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill/decode, with vLLM's keys (`kv_transfer_config={"kv_role": ...}`).
+
+    A producer (prefill worker) keeps the KV of prompts asked for a remote decode in a bounded
+    outbox (`kv_buffer_size` bytes) that rank r serves on `kv_port + r`; a consumer (decode
+    worker) fetches it from the address the prefill response's `kv_transfer_params` name.
+    `kv_ip` is the address this engine tells its peers to reach it at."""
+
+    kv_connector: str = "DolmusConnector"  # the only one here; vLLM's names are refused by name
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_buffer_size: float = 1e9  # bytes of outbox (the producer side)
+    # fail: a request whose remote KV cannot be fetched ends with an error naming the peer;
+    # recompute: it computes its prompt itself
+    kv_load_failure_policy: str = "fail"
+    kv_transfer_timeout: float = 30.0  # seconds a fetch may take before the peer counts as gone
+    engine_id: str | None = None  # named in kv_transfer_params; None: a random one
+
+    def __post_init__(self) -> None:
+        if self.kv_connector != "DolmusConnector":
+            raise ValueError(
+                f"kv_transfer_config: kv_connector {self.kv_connector!r} is not available here; "
+                "dolmus speaks its own transfer (DolmusConnector) behind vLLM's kv_transfer_params"
+            )
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                "kv_transfer_config: kv_load_failure_policy must be one of "
+                + ", ".join(KV_LOAD_FAILURE_POLICIES)
+            )
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65535:
+            raise ValueError(f"kv_transfer_config: kv_port must be a TCP port, got {self.kv_port!r}")
+        if self.kv_buffer_size <= 0 or self.kv_transfer_timeout <= 0:
+            raise ValueError("kv_transfer_config: kv_buffer_size and kv_transfer_timeout must be positive")
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
+        return from_known_keys(cls, raw, "kv_transfer_config")
+
+
+def parse_kv_offload(value: str | None) -> tuple[str, Path | None] | None:
+    """`cpu` or `disk:PATH` as (medium, path); None: no offload tier."""
+    if value is None:
+        return None
+    if value == "cpu":
+        return ("cpu", None)
+    if value.startswith("disk:") and len(value) > len("disk:"):
+        return ("disk", Path(value[len("disk:") :]).expanduser())
+    raise ValueError(f"kv_offload must be cpu or disk:PATH, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Everything a user can set on an engine. `None` means "derive it from the model"."""
 
     model: str | None = None  # Hugging Face folder; None serves the built-in stories260k
     tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = choice("auto", ("auto", *_DTYPES))
+    dtype: str = choice("auto", ("auto", *DTYPE_NAMES))
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory: float | int | None = None  # bytes (int > 1) or fraction of free memory
@@ -277,7 +329,7 @@ class EngineConfig:
     # 8 rows, as llama.cpp does: faster decode, a little less accurate)
     gguf_activations: str = choice("float", ("float", "int8"))
     # auto (the model dtype) | int8 | fp8: a scale per token and head
-    kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)
+    kv_cache_dtype: str = choice("auto", KV_CACHEDTYPE_NAMES)
     # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)
     attention_backend: str = choice("auto", ATTENTION_BACKENDS)
     # uni: the model runs in the engine's process; mp: in worker processes fed each step's plan
@@ -305,6 +357,12 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     # KV cache events for cache-aware routers (a KVEventsConfig or a dict of vLLM's keys); None: off.
     kv_events_config: KVEventsConfig | dict[str, Any] | None = None
+    # A tier below the KV pool that keeps evicted prefixes and preempted requests' work:
+    # cpu (host RAM) | disk:PATH (files that outlive the process); None: off. Its size in GiB.
+    kv_offload: str | None = None
+    kv_offload_size: float = 4.0
+    # Disaggregated prefill/decode (a KVTransferConfig or a dict of vLLM's keys); None: off.
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -325,6 +383,15 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if isinstance(self.kv_events_config, dict):
             self.kv_events_config = KVEventsConfig.from_dict(self.kv_events_config)
+        if isinstance(self.kv_transfer_config, dict):
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        parse_kv_offload(self.kv_offload)
+        if self.kv_offload_size <= 0:
+            raise ValueError(f"kv_offload_size must be positive GiB, got {self.kv_offload_size}")
+
+    @property
+    def kv_offload_tier(self) -> tuple[str, Path | None] | None:
+        return parse_kv_offload(self.kv_offload)
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes
@@ -379,7 +446,7 @@ class EngineConfig:
         fp32 on a GPU stays fp32 only when asked for.
         """
         if self.dtype != "auto":
-            dtype = _DTYPES[self.dtype]
+            dtype = DTYPE_NAMES[self.dtype]
             if device.type == "cpu" and dtype == torch.float16:
                 raise ValueError("dtype float16 is not supported on CPU: use bfloat16 or float32")
             return dtype
@@ -400,145 +467,6 @@ def check_choices(config: Any) -> None:
             raise ValueError(f"{f.name} must be one of {shown}; got {value!r}")
 
 
-@dataclass
-class ModelConfig:
-    """The architecture facts the engine needs, read from a Hugging Face config.json."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    hidden_act: str
-    sliding_window: int | None
-    dtype: torch.dtype
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    quantization_config: dict[str, Any] | None = None  # a pre-quantized checkpoint's format
-
-    @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"model: path {str(path)!r} does not exist")
-        from dolmus.runtime.gguf_loader import gguf_config, is_gguf
-
-        if is_gguf(path):
-            return cls.from_dict(gguf_config(path), {}, source=str(path))
-        if not path.is_dir():
-            raise ValueError(f"model: {str(path)!r} is not a Hugging Face model folder")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"model: {str(path)!r} has no config.json")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"model: {config_file} is not valid JSON ({exc})") from exc
-        generation = {}
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            generation = json.loads(gen_file.read_text())
-        return cls.from_dict(raw, generation, source=str(config_file))
-
-    @classmethod
-    def from_dict(
-        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config"
-    ) -> ModelConfig:
-        """Normalise a config.json dict; its architecture's own parser (the registry) reads it."""
-        # The registry imports the model files; importing it here, at call time, keeps
-        # dolmus.config free of them (they import ModelConfig from here).
-        from dolmus.runtime.models.registry import architecture
-
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ValueError(f"model: {source} names no architecture ('architectures' is empty)")
-        arch = architecture(archs[0])
-        generation = generation or {}
-        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-        return cls(
-            architecture=arch.name,
-            **arch.parse(raw, source),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-        )
-
-
-def parse_common_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The `ModelConfig` fields every architecture reads the same way (all but the
-    architecture name and the generation config's token ids); an architecture's parser
-    starts from these and overrides its own facts."""
-
-    def need(key: str) -> Any:
-        if key not in raw:
-            raise ValueError(f"model: {source} lacks the field {key!r}")
-        return raw[key]
-
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    if heads % kv_heads:
-        raise ValueError(
-            f"model: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
-        )
-    rope_theta, rope_scaling = _read_rope(raw)
-    act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
-    sliding = raw.get("sliding_window")
-    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return dict(
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=False,
-        hidden_act=act,
-        sliding_window=int(sliding) if sliding else None,
-        dtype=_DTYPES.get(str(dtype_name), torch.float32),
-        quantization_config=raw.get("quantization_config"),
-    )
-
-
-def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Return (theta, scaling) from either `rope_parameters` (5.x) or `rope_scaling` (4.x)."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        params = params["full_attention"]
-    if not isinstance(params, dict):
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"model: rope type {rope_type!r} is not supported (default, linear, llama3)")
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = rope_type
-    return theta, scaling
-
-
-# Scheduler priorities of the X-Priority header's tiers (lower runs first). A request
-# without the header or a `priority` field is interactive.
 PRIORITY_TIERS = {"interactive": 0, "batch": 1}
 
 

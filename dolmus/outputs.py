@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -44,7 +45,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or loaded)
+    # A prefill worker's answer to {"do_remote_decode": true}: where a decode worker fetches
+    # the prompt's KV (vLLM's kv_transfer_params); None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def metrics(self) -> RequestMetrics | None:

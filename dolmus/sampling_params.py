@@ -6,6 +6,7 @@ Names and meanings follow OpenAI's and vLLM's, so the server maps fields one-to-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dolmus.structured.spec import StructuredOutput
 
@@ -32,6 +33,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the chosen token
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # JSON schema, regex, grammar or choice
+    # Disaggregated prefill/decode, vLLM's protocol: {"do_remote_decode": true} asks a prefill
+    # worker to keep the prompt's KV for a decode worker; the prefill response's params (with
+    # "do_remote_prefill": true and the worker's address) make a decode worker fetch it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +84,21 @@ class SamplingParams:
         if self.structured_output is not None and self.min_tokens:
             # The grammar may allow nothing but EOS while min_tokens forbids it.
             raise bad("min_tokens", "cannot be combined with structured output")
+        self._validate_kv_transfer_params()
+
+    def _validate_kv_transfer_params(self) -> None:
+        params = self.kv_transfer_params
+        if params is None:
+            return
+        if not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {params!r}")
+        if params.get("do_remote_prefill"):
+            host, port = params.get("remote_host"), params.get("remote_port")
+            if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(
+                    "kv_transfer_params: do_remote_prefill needs remote_host (a string) and remote_port "
+                    f"(a TCP port), got {host!r} and {port!r}"
+                )
 
     @property
     def greedy(self) -> bool:

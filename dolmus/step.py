@@ -51,6 +51,40 @@ class RunningRequests(msgspec.Struct, array_like=True):
         return len(self.request_ids)
 
 
+class BlockLoad(msgspec.Struct, array_like=True):
+    """Blocks of one request to fill from outside the paged cache, in chain order.
+
+    `source` "" is this engine's offload tier; otherwise the transfer address of the remote
+    engine (a prefill worker) whose rank r serves rank r's share."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    source: str = ""
+
+
+class KVTransfer(msgspec.Struct, array_like=True):
+    """What the KV connector moves around this step's forward pass (kv_connector/).
+
+    Saves are taken from the blocks before the forward pass writes anything (a block saved
+    because it is being evicted may be overwritten by this very step); loads fill blocks no
+    scheduled request reads in this step. Every rank does the same with its own share."""
+
+    loads: list[BlockLoad] = []
+    save_hashes: list[bytes] = []  # into the offload tier
+    save_block_ids: list[int] = []
+    # into the outbox a decode worker fetches from; taken after the forward pass, which writes them
+    export_hashes: list[bytes] = []
+    export_block_ids: list[int] = []
+    drop_hashes: list[bytes] = []  # out of the offload tier (evicted from it, or found bad)
+    drop_export_hashes: list[bytes] = []  # out of the outbox (pushed out by newer exports)
+
+    @property
+    def empty(self) -> bool:
+        moves = (self.loads, self.save_hashes, self.export_hashes, self.drop_hashes, self.drop_export_hashes)
+        return not any(moves)
+
+
 class StepPlan(msgspec.Struct):
     new_requests: list[NewRequest] = []
     running: RunningRequests = msgspec.field(default_factory=RunningRequests)
@@ -63,6 +97,7 @@ class StepPlan(msgspec.Struct):
     # `grammar_request_ids` order, as raw bytes (native byte order).
     grammar_bitmask: bytes | None = None
     grammar_request_ids: list[str] = []
+    kv_transfer: KVTransfer | None = None  # blocks to load, save and drop (a KV connector is on)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -83,6 +118,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct):
     sampled: dict[str, list[int]] = {}  # requests whose chunk reached its end
     logprobs: dict[str, list[TokenLogprobs]] = {}  # where asked, one per token
+    # Per request of the plan's loads: how many of its blocks, from the first, every rank
+    # loaded and verified (the rest stay to be computed).
+    kv_loaded: dict[str, int] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -66,9 +66,19 @@ def router_command(
     block_size: int = 16,
     model: str | None = None,
     debug: bool = False,
+    decode_urls: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of `kind` (sglang | vllm) routing `worker_urls` by `policy`, on loopback."""
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy]
+    """The command line of `kind` (sglang | vllm) routing `worker_urls` by `policy`, on loopback.
+    With `decode_urls` (vllm only): prefill/decode disaggregation, `worker_urls` prefilling."""
+    if decode_urls:
+        if kind != "vllm":
+            raise ValueError("prefill/decode disaggregation is driven by vllm-router here")
+        workers = ["--vllm-pd-disaggregation"]
+        workers += [arg for url in worker_urls for arg in ("--prefill", url)]
+        workers += [arg for url in decode_urls for arg in ("--decode", url)]
+    else:
+        workers = ["--worker-urls", *worker_urls]
+    common = ["--host", "127.0.0.1", "--port", str(port), *workers, "--policy", policy]
     common += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     if kind == "sglang":
         level = "debug" if debug else "warn"
@@ -96,17 +106,21 @@ class RouterProcess:
         model: str | None = None,
         log: Path | None = None,
         debug: bool = False,
+        decode_urls: Sequence[str] = (),
     ) -> None:
-        """`debug`: the router logs every routing decision (to `log`)."""
+        """`debug`: the router logs every routing decision (to `log`); `decode_urls`: vllm-router
+        in prefill/decode mode, `worker_urls` being the prefill workers."""
         binary = router_binary(kind)
         if binary is None:
             raise FileNotFoundError(f"{_BINARIES[kind]} is not installed (pip install 'dolmus[router]')")
         self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        metrics_port = free_port()
         cmd = router_command(
-            kind, binary, self.port, free_port(), worker_urls, policy, kv_sources, block_size, model, debug
-        )
+            kind, binary, self.port, metrics_port, worker_urls, policy, kv_sources, block_size, model, debug,
+            decode_urls,
+        )  # fmt: skip
         self._log: IO[bytes] | int = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:

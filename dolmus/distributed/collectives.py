@@ -63,3 +63,12 @@ def agree_on_min(value: int, parallel: ParallelConfig, device: torch.device) -> 
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def agree_on_min_each(values: list[int], parallel: ParallelConfig, device: torch.device) -> list[int]:
+    """The smallest of the ranks' values, position by position (the same length on every rank)."""
+    if not _group_ready(parallel) or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]

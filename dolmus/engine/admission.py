@@ -21,12 +21,14 @@ _EMA = 0.2  # weight of the latest step in the step-time average
 
 
 class RequestRefused(ValueError):
-    """The engine will not serve this request now; the server answers 429 with Retry-After."""
+    """The engine will not serve this request now; the server answers `status` (429 for a tier
+    rule, 503 when a peer it needs is gone) with Retry-After."""
 
-    def __init__(self, message: str, code: str, retry_after: float) -> None:
+    def __init__(self, message: str, code: str, retry_after: float, status: int = 429) -> None:
         super().__init__(message)
         self.code = code
         self.retry_after = retry_after
+        self.status = status
 
 
 class AdmissionControl:

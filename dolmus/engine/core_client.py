@@ -286,7 +286,9 @@ class EngineCoreClient:
                 stream = self._streams.get(error.request_id)
                 if stream is not None:
                     if error.code is not None:
-                        stream.put_nowait(RequestRefused(error.message, error.code, error.retry_after or 1.0))
+                        retry = error.retry_after or 1.0
+                        refusal = RequestRefused(error.message, error.code, retry, error.status)
+                        stream.put_nowait(refusal)
                     else:
                         stream.put_nowait(ValueError(error.message))
 

@@ -195,5 +195,5 @@ class _CoreLoop:
 
 def _error(request_id: str, exc: ValueError) -> RequestError:
     if isinstance(exc, RequestRefused):
-        return RequestError(request_id, str(exc), exc.code, exc.retry_after)
+        return RequestError(request_id, str(exc), exc.code, exc.retry_after, exc.status)
     return RequestError(request_id, str(exc))

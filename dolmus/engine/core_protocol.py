@@ -62,6 +62,7 @@ class RequestError(msgspec.Struct):
     message: str
     code: str | None = None
     retry_after: float | None = None
+    status: int = 429  # with a code: the HTTP status it maps to
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -26,11 +26,13 @@ from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.executor import Executor, WorkerDiedError, make_executor
+from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, make_scheduler_connector
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
+from dolmus.step import StepPlan
 from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,16 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> plain decodes instead
+    # KV connector since start: tokens computed again after preemptions; offload tier blocks
+    # saved, tokens loaded instead of computed, entries found bad; disaggregation's tokens
+    # fetched from prefill workers, failed fetches, blocks exported to decode workers.
+    preemption_recomputed_tokens: int = 0
+    kv_offload_saved_blocks: int = 0
+    kv_offload_loaded_tokens: int = 0
+    kv_offload_failed_loads: int = 0
+    kv_transfer_loaded_tokens: int = 0
+    kv_transfer_failed_loads: int = 0
+    kv_transfer_exported_blocks: int = 0
 
 
 @dataclass
@@ -151,11 +163,21 @@ class Engine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, self._kv_events is not None
         )
-        budget = config.resolve_batched_tokens(self.device, self.executor.info.step_tokens)
+        info = self.executor.info
+        self.connector: KVConnectorScheduler | None = make_scheduler_connector(
+            config, self.kv, info.kv_block_bytes, info.kv_tier_inventory, config.tensor_parallel_size
+        )
+        budget = config.resolve_batched_tokens(self.device, info.step_tokens)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, budget, self.max_model_len, config.tier_specs, speculative
+            self.kv,
+            config.max_num_seqs,
+            budget,
+            self.max_model_len,
+            config.tier_specs,
+            speculative,
+            self.connector,
         )
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
@@ -320,6 +342,7 @@ class Engine:
         self._attach_grammar_bitmask(sched)
         result = self.executor.execute(sched.plan)
         updated = self.scheduler.update(sched, result)
+        self._fail_transfers()
 
         touched: dict[str, _Group] = {}
         for request, num_new in updated:
@@ -347,6 +370,10 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
+        if self.connector is not None and not self._groups and self.connector.has_pending:
+            # Going idle: the last step's saves (a disk tier's newest blocks) go now, not whenever
+            # the next request comes.
+            self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
         self._publish_kv_events()
         elapsed = time.monotonic() - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
@@ -373,6 +400,28 @@ class Engine:
                         f"its tier's max_queue_wait of {wait:g} s; retry later",
                         "queue_timeout",
                         wait or 1.0,
+                    ),
+                )
+            )
+
+    def _fail_transfers(self) -> None:
+        """Requests whose prompt KV could not be fetched from their prefill worker end with an
+        error naming it (kv_load_failure_policy "fail")."""
+        for outcome in self.scheduler.take_failed_loads():
+            request = outcome.request
+            group_id = self._owner.get(request.request_id)
+            if group_id is None:
+                continue
+            self.abort_request(group_id)
+            self._refusals.append(
+                (
+                    group_id,
+                    RequestRefused(
+                        f"the prompt's KV could not be fetched from the prefill worker at {outcome.source} "
+                        "(gone, or it no longer holds this prompt); send the request again",
+                        "kv_transfer_failed",
+                        1.0,
+                        status=503,
                     ),
                 )
             )
@@ -454,6 +503,7 @@ class Engine:
             outputs=completions,
             finished=all(c.status.finished for c in group.children),
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            kv_transfer_params=first.kv_transfer_out,
         )
 
     # -- scoring --------------------------------------------------------------------------
@@ -474,6 +524,8 @@ class Engine:
         request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
         if not self.kv.allocate(request, len(ids)):
             raise ValueError("the KV cache cannot hold this many tokens at once")
+        if self.kv.pool.evicted:  # overwritten by the scoring below, before any step could save them
+            self.kv.pool.evicted.clear()
         step = chunk_size or len(ids)
         table = self.kv.block_ids("score")
         chunks = []
@@ -546,7 +598,22 @@ class Engine:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             spec_fallbacks=dict(spec.fallbacks),
+            preemption_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            **self._connector_stats(),
         )
+
+    def _connector_stats(self) -> dict[str, int]:
+        if self.connector is None:
+            return {}
+        c = self.connector.stats
+        return {
+            "kv_offload_saved_blocks": c.tier_saved_blocks,
+            "kv_offload_loaded_tokens": c.tier_loaded_tokens,
+            "kv_offload_failed_loads": c.tier_failed_loads,
+            "kv_transfer_loaded_tokens": c.remote_loaded_tokens,
+            "kv_transfer_failed_loads": c.remote_failed_loads,
+            "kv_transfer_exported_blocks": c.exported_blocks,
+        }
 
 
 def _metrics(req: Request) -> RequestMetrics:

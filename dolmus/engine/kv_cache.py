@@ -38,6 +38,7 @@ class StoredBlocks:
     block_hashes: list[bytes]
     parent_hash: bytes | None  # the hash before the run's first block; None: the chain's start
     token_ids: list[int]  # every token of the run, block after block
+    medium: str | None = None  # None: this cache; else the offload tier's (kv_connector/stores.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,18 @@ class RemovedBlocks:
     """Hashes the cache forgot (their blocks were taken for new data)."""
 
     block_hashes: list[bytes]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """A block whose KV matches its hash, as the KV connector is told of it (evicted from the
+    cache, or newly written)."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: list[int]  # empty unless events are recorded (only they need the tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,9 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # Kept while the block is cached, for a KV connector that saves it on eviction.
+    parent_hash: bytes | None = None
+    token_ids: list[int] | None = None  # only when events are recorded
 
 
 class BlockPool:
@@ -75,6 +91,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
         self.events = events  # where evictions are logged; None: not logged
+        # Cached blocks taken for new data, for a KV connector to save first; None: no connector.
+        self.evicted: list[CachedBlock] | None = None
 
     @property
     def num_free(self) -> int:
@@ -95,7 +113,11 @@ class BlockPool:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
                     forgotten.append(block.block_hash)
+                    if self.evicted is not None:
+                        parent, tokens = block.parent_hash, block.token_ids or []
+                        self.evicted.append(CachedBlock(block.block_id, block.block_hash, parent, tokens))
                 block.block_hash = None
+                block.token_ids = None
             block.ref_cnt = 1
             taken.append(block)
         if forgotten and self.events is not None:
@@ -116,11 +138,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: bytes) -> bool:
+    def register(
+        self, block: KVBlock, block_hash: bytes, parent: bytes | None = None, tokens: list[int] | None = None
+    ) -> bool:
         """Key the block by its hash; False if it already had one (nothing changed)."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         block.block_hash = block_hash
+        block.parent_hash, block.token_ids = parent, tokens
         # The first block computed under a hash stays the canonical one.
         self._cached.setdefault(block_hash, block)
         return True
@@ -167,6 +192,9 @@ class KVCacheManager:
         # With events on: fresh blocks that brought a new hash into the cache, per owner, as
         # (index in the owner's chain, hash, parent hash, tokens); announced at commit_step.
         self._unannounced: dict[str, list[tuple[int, bytes, bytes | None, list[int]]]] = {}
+        # Blocks whose KV the last forward pass wrote, for a KV connector that saves every new
+        # block (a disk tier); None: nobody asks.
+        self.committed: list[CachedBlock] | None = None
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -219,11 +247,14 @@ class KVCacheManager:
         idle_hits = sum(1 for b in cached if b.ref_cnt == 0)
         return max(needed, 0) + idle_hits
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = (), publish: bool = True
+    ) -> bool:
         """Give the request room for `num_new_tokens` more tokens; False if the pool is short.
 
         `cached` are prefix hits found for a request being admitted; they become the head
-        of its block table and its num_computed_tokens moves past them.
+        of its block table and its num_computed_tokens moves past them. `publish` False: the
+        new tokens' KV comes from a load, not this step's forward pass (see publish_loaded).
         """
         if not self.can_fit(request, num_new_tokens, cached):
             return False
@@ -240,34 +271,57 @@ class KVCacheManager:
         missing = -(-total // self.block_size) - len(blocks)
         if missing > 0:
             blocks.extend(self.pool.take(missing))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and publish:
             self._register_full_blocks(request, blocks, total)
         return True
 
-    def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _register_full_blocks(
+        self, request: Request, blocks: list[KVBlock], num_tokens: int, written: bool = False
+    ) -> None:
         """Register blocks that will be full once this step's tokens are written, as fresh.
 
         A request admitted later in the same step may hit them (the attention backend
         writes every new K/V of a layer before any sequence reads the cache). They become
         ordinary cached blocks at `commit_step`, once the forward pass has written them; if
-        their owner leaves the step first (preempted), `free` withdraws them.
+        their owner leaves the step first (preempted), `free` withdraws them. `written`:
+        their KV is already there (loaded by the KV connector), so they are cache at once.
         """
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_published.get(request.request_id, 0)
         hashes = request.block_hashes
+        keep_tokens = self.events is not None
+        announced: list[tuple[int, bytes, bytes | None, list[int]]] = []
         for i in range(start, num_full):
-            if self.pool.register(blocks[i], hashes[i]):
-                self._fresh.setdefault(request.request_id, []).append(blocks[i])
-                self._fresh_owner[blocks[i].block_id] = request.request_id
-                # Only a hash new to the cache is news; a second block under a known hash is not.
-                if self.events is not None and self.pool.lookup(hashes[i]) is blocks[i]:
-                    tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-                    parent = hashes[i - 1] if i else None
-                    self._unannounced.setdefault(request.request_id, []).append(
-                        (i, hashes[i], parent, tokens)
-                    )
+            parent = hashes[i - 1] if i else None
+            span = slice(i * self.block_size, (i + 1) * self.block_size)
+            tokens = request.all_token_ids[span] if keep_tokens else None
+            if not self.pool.register(blocks[i], hashes[i], parent, tokens):
+                continue
+            # Only a hash new to the cache is news; a second block under a known hash is not.
+            news = self.pool.lookup(hashes[i]) is blocks[i]
+            if written:
+                if news and tokens is not None:
+                    announced.append((i, hashes[i], parent, tokens))
+                continue
+            self._fresh.setdefault(request.request_id, []).append(blocks[i])
+            self._fresh_owner[blocks[i].block_id] = request.request_id
+            if news and tokens is not None:
+                self._unannounced.setdefault(request.request_id, []).append((i, hashes[i], parent, tokens))
+        if announced and self.events is not None:
+            self.events.extend(_runs(announced))
         self._num_published[request.request_id] = max(start, num_full)
+
+    def publish_loaded(self, request: Request) -> None:
+        """The KV connector filled the request's blocks up to its num_computed_tokens: their
+        hashes enter the cache (withheld while the load ran: a failed load must leave nothing)."""
+        if self.enable_prefix_caching:
+            blocks = self.req_blocks.get(request.request_id, [])
+            self._register_full_blocks(request, blocks, request.num_computed_tokens, written=True)
+
+    def has_fresh(self, blocks: Sequence[KVBlock]) -> bool:
+        """Whether any of the blocks is to be written by this step's forward pass."""
+        return any(b.block_id in self._fresh_owner for b in blocks)
 
     def sharers_of_fresh_blocks(self, request_id: str) -> list[str]:
         """Requests of this step that hit blocks `request_id` was to write in this step."""
@@ -275,6 +329,13 @@ class KVCacheManager:
 
     def commit_step(self) -> None:
         """The step's forward pass has written every fresh block: they are plain cache now."""
+        if self.committed is not None:
+            for fresh in self._fresh.values():
+                self.committed.extend(
+                    CachedBlock(b.block_id, b.block_hash, b.parent_hash, b.token_ids or [])
+                    for b in fresh
+                    if b.block_hash is not None
+                )
         self._fresh.clear()
         self._fresh_owner.clear()
         self._sharers.clear()
@@ -346,6 +407,6 @@ def _runs(new: list[tuple[int, bytes, bytes | None, list[int]]]) -> list[StoredB
             out[-1].block_hashes.append(block_hash)
             out[-1].token_ids.extend(tokens)
         else:
-            out.append(StoredBlocks([block_hash], parent, tokens))  # tokens: a slice of its own
+            out.append(StoredBlocks([block_hash], parent, list(tokens)))  # its own list: runs extend it
         last = i
     return out

@@ -34,8 +34,9 @@ cache, which is keyed by the whole digest. The first block's `parent_block_hash`
 chain's root seed is not a block). Routers cannot recompute our hashes (they are not vLLM's
 function), so they key by `token_ids`, which every BlockStored carries, as vLLM's does.
 
-`medium` is "GPU": vLLM's name for the engine's own KV pool wherever it lives (its CPU backend
-says "GPU" too); consumers read "CPU" as an offload tier below it, which dolmus does not have.
+`medium` is "GPU" for the engine's own KV pool wherever it lives (vLLM's CPU backend says "GPU"
+too); blocks of the offload tier (kv_connector/) are announced apart, as vLLM's offloading
+connector does, with "CPU" (host memory) or "STORAGE" (disk).
 `lora_id`/`lora_name` are None (no adapters), `group_idx` 0 with `kv_cache_spec_kind`
 "full_attention": one group of full attention, as vLLM reports a plain decoder.
 
@@ -127,7 +128,7 @@ def to_wire(records: list[CacheEvent], block_size: int, ts: float) -> KVEventBat
                     token_ids=record.token_ids,
                     block_size=block_size,
                     lora_id=None,
-                    medium=MEDIUM_GPU,
+                    medium=record.medium or MEDIUM_GPU,
                     lora_name=None,
                     group_idx=0,
                     kv_cache_spec_kind="full_attention",
@@ -135,7 +136,7 @@ def to_wire(records: list[CacheEvent], block_size: int, ts: float) -> KVEventBat
             )
         elif isinstance(record, RemovedBlocks):
             hashes = [external_hash(h) for h in record.block_hashes]
-            events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_GPU, group_idx=0))
+            events.append(BlockRemoved(block_hashes=hashes, medium=record.medium or MEDIUM_GPU, group_idx=0))
         elif isinstance(record, AllCleared):
             events.append(AllBlocksCleared())
     return KVEventBatch(ts=ts, events=events, data_parallel_rank=0)

@@ -307,6 +307,39 @@ class _StatsCollector(Collector):
             s.queue_timeouts,
         )
         yield counter(
+            "dolmus:preemption_recomputed_tokens",
+            "Tokens computed again after preemptions (an offload tier keeps the work instead).",
+            s.preemption_recomputed_tokens,
+        )
+        yield counter(
+            "dolmus:kv_offload_saved_blocks", "Blocks saved to the offload tier.", s.kv_offload_saved_blocks
+        )
+        yield counter(
+            "dolmus:kv_offload_loaded_tokens",
+            "Tokens loaded from the offload tier instead of computed.",
+            s.kv_offload_loaded_tokens,
+        )
+        yield counter(
+            "dolmus:kv_offload_failed_loads",
+            "Offload-tier loads that found an entry missing or corrupt (recomputed).",
+            s.kv_offload_failed_loads,
+        )
+        yield counter(
+            "dolmus:kv_transfer_loaded_tokens",
+            "Prompt tokens fetched from prefill workers (disaggregated prefill/decode).",
+            s.kv_transfer_loaded_tokens,
+        )
+        yield counter(
+            "dolmus:kv_transfer_failed_loads",
+            "Fetches from prefill workers that failed (the peer gone, or the prompt no longer held).",
+            s.kv_transfer_failed_loads,
+        )
+        yield counter(
+            "dolmus:kv_transfer_exported_blocks",
+            "Prompt blocks kept for decode workers (disaggregated prefill/decode).",
+            s.kv_transfer_exported_blocks,
+        )
+        yield counter(
             "dolmus:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             s.prefix_cache_queries,

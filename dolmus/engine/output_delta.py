@@ -11,6 +11,7 @@ so nothing above the core client sees a difference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -37,6 +38,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     first: bool  # the request's first delta: the prompt fields below are filled
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's, once it is known
 
 
 class DeltaMaker:
@@ -77,6 +79,7 @@ class DeltaMaker:
             first,
             out.prompt if first else None,
             out.prompt_token_ids if first else None,
+            out.kv_transfer_params,
         )
 
     def forget(self, request_id: str) -> None:
@@ -145,6 +148,7 @@ class OutputAssembler:
             completions,
             delta.finished,
             delta.num_cached_tokens,
+            delta.kv_transfer_params,
         )
 
     def forget(self, request_id: str) -> None:

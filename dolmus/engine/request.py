@@ -106,6 +106,10 @@ class Request:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.draft_acceptance: float | None = None  # None until its first window is checked
+        # KV connector: tokens computed when last preempted (to count what resuming recomputes),
+        # and what a prefill worker's response tells the decode worker (kv_transfer_params).
+        self.computed_before_preemption = 0
+        self.kv_transfer_out: dict | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
+from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, LoadOutcome
 from dolmus.spec.policy import StepCosts, draft_length
 from dolmus.spec.proposer import Proposer, make_proposer
 from dolmus.step import NewRequest, StepPlan, StepResult
@@ -95,8 +96,12 @@ class Scheduler:
         max_model_len: int,
         tiers: tuple[TierSpec, ...] = (),
         speculative: SpeculativeConfig | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.kv = kv
+        self.connector = connector
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption
+        self._failed_loads: list[LoadOutcome] = []  # loads whose failure ends the request
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -144,6 +149,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.forget(request)
         self.kv.free(request)
         request.status = status
         request.timings.finished = time.monotonic()
@@ -174,6 +181,9 @@ class Scheduler:
 
     def _requeue(self, request: Request) -> None:
         self.running.remove(request)
+        if self.connector is not None:
+            self.connector.on_preempt(request)  # with a tier, the work is kept
+        request.computed_before_preemption = request.num_computed_tokens
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -238,14 +248,19 @@ class Scheduler:
                 budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
             if allowance <= 0:
                 break
-            num_new = scheduled[request.request_id].num_new_tokens
-            self.book.spend(request, num_new)
-            budget -= num_new
+            item = scheduled.get(request.request_id)
+            if item is not None:  # None: it loads its blocks this step
+                self.book.spend(request, item.num_new_tokens)
+                budget -= item.num_new_tokens
 
         if self.proposer is not None and budget > 0 and not preempted:
             self._add_drafts(scheduled, budget)
         out_list = list(scheduled.values())
-        return SchedulerOutput(self._plan(out_list, preempted), out_list, preempted)
+        plan = self._plan(out_list, preempted)
+        if self.connector is not None:
+            self.connector.on_scheduled([(item.request, item.samples) for item in out_list])
+            plan.kv_transfer = self.connector.take_transfer()
+        return SchedulerOutput(plan, out_list, preempted)
 
     def _add_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
         """Give decodes this step the drafts the budget has room for, most urgent first, as
@@ -352,19 +367,36 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return SEATS
         cached = self.kv.find_cached_prefix(request)
-        num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
-        if not self.kv.allocate(request, num_new, cached):
-            return KV
+        load = None
+        # Not on top of blocks another request writes in this step: a load must never have to
+        # be undone (a preempted writer takes its sharers along).
+        if self.connector is not None and not self.kv.has_fresh(cached):
+            load = self.connector.match(request, len(cached))
+        if load is not None:
+            if not self.kv.allocate(request, load.num_tokens, cached, publish=False):
+                return KV
+            self.connector.start_load(request, load, len(cached))  # type: ignore[union-attr]
+        else:
+            num_new = min(request.num_tokens - len(cached) * self.kv.block_size, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                return KV
+            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            self._resumed(request)
         self.kv.record_prefix_lookup(request, len(cached))
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = request.num_computed_tokens
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = time.monotonic()
         self.running.append(request)
-        scheduled[request.request_id] = ScheduledRequest(request, num_new)
         return None
+
+    def _resumed(self, request: Request) -> None:
+        """The request computes again from num_computed_tokens (its hits and loads counted)."""
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        lost = request.computed_before_preemption - request.num_computed_tokens
+        self.num_recomputed_tokens += max(lost, 0)
+        request.computed_before_preemption = 0
 
     def _evict_for(
         self,
@@ -374,7 +406,13 @@ class Scheduler:
         preempted: list[Request],
     ) -> Request | None:
         """Preempt the least urgent running request the waiting `request` may take `short` from."""
-        candidates = [r for r in self.running if self.book.may_preempt(r, request, short, self.running)]
+        candidates = [
+            r
+            for r in self.running
+            if self.book.may_preempt(r, request, short, self.running)
+            # not one whose blocks are being filled in this step
+            and not (self.connector is not None and self.connector.is_loading(r))
+        ]
         if not candidates:
             return None
         victim = max(candidates, key=lambda r: r.sort_key)
@@ -397,6 +435,8 @@ class Scheduler:
         tokens this step (finished ones included) with how many it kept.
         """
         self.kv.commit_step()  # the forward pass wrote every block allocated for this step
+        if self.connector is not None:
+            self._apply_loads(self.connector.loaded(result.kv_loaded))
         now = time.monotonic()
         updated = []
         for item in output.scheduled:
@@ -413,6 +453,23 @@ class Scheduler:
                 logprobs = result.logprobs.get(request.request_id)
                 updated.append((request, self._append(request, tokens, logprobs, now)))
         return updated
+
+    def _apply_loads(self, outcomes: list[LoadOutcome]) -> None:
+        for outcome in outcomes:
+            request = outcome.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += outcome.num_tokens
+            self.kv.publish_loaded(request)
+            self._resumed(request)
+            if outcome.fatal:
+                self._failed_loads.append(outcome)
+
+    def take_failed_loads(self) -> list[LoadOutcome]:
+        """Requests whose remote KV could not be fetched, under the fail policy (still running:
+        the engine ends them with an error naming the peer)."""
+        failed, self._failed_loads = self._failed_loads, []
+        return failed
 
     def _count_acceptance(self, item: ScheduledRequest, accepted: int) -> None:
         r = item.request

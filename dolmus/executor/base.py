@@ -8,7 +8,7 @@ may keep its runners in other processes or on other hosts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,10 +31,21 @@ class RunnerInfo:
     weight_bytes: int
     kv_bytes_per_token: int
     step_tokens: int | None = None  # the step token budget its kernels suit (None: the device's default)
+    # With a KV connector: one block's bytes on this rank, and what its disk tier held at start.
+    kv_block_bytes: int = 0
+    kv_tier_inventory: list[bytes] = field(default_factory=list)
 
     @classmethod
     def of(cls, runner: ModelRunner) -> RunnerInfo:
-        return cls(runner.num_blocks, runner.weight_bytes, runner.kv_bytes_per_token, runner.step_tokens)
+        connector = runner.kv_connector
+        return cls(
+            runner.num_blocks,
+            runner.weight_bytes,
+            runner.kv_bytes_per_token,
+            runner.step_tokens,
+            connector.io.block_bytes if connector is not None else 0,
+            connector.inventory() if connector is not None else [],
+        )
 
 
 class Executor(ABC):

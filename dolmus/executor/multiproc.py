@@ -124,6 +124,9 @@ class MultiprocExecutor(Executor):
                 infos[rank] = info
         if len({i.num_blocks for i in infos.values()}) != 1:
             raise WorkerDiedError(f"ranks disagree on the KV blocks they hold: {infos}")
+        # A tier entry is usable only if every rank holds its share (a miss on one is a failed load).
+        held = set.intersection(*(set(i.kv_tier_inventory) for i in infos.values()))
+        infos[0].kv_tier_inventory = [key for key in infos[0].kv_tier_inventory if key in held]
         return infos[0]
 
     def _answer_hello(self, sender: bytes, node_rank: int) -> None:

@@ -17,6 +17,9 @@ class InProcessExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 
+    def shutdown(self) -> None:
+        self.runner.close()
+
     def prompt_logits(
         self, token_ids: list[int], num_computed: int, num_new: int, block_ids: list[int]
     ) -> torch.Tensor:

@@ -81,6 +81,7 @@ def worker_main(spec: RunnerSpec, at: RankPlacement) -> None:
             sock.send_multipart((b"result", answer), copy=False)
         else:
             sock.send_multipart((b"digest", digest(answer) if kind == b"step" else b""))
+    runner.close()
     sock.close()
     ctx.term()
     leave_process_group()

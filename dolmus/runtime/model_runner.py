@@ -27,6 +27,7 @@ from dolmus.config import (
 )
 from dolmus.distributed.collectives import agree_on_min
 from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
+from dolmus.kv_connector.worker_side import make_worker_connector
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
@@ -212,6 +213,10 @@ class ModelRunner:
         self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.sequences: dict[str, _Sequence] = {}
+        pools = list(self.kv_caches)  # every pool that shares the block ids moves with a block
+        pools += self.drafter.kv_caches if self.drafter is not None else []
+        pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
+        self.kv_connector = make_worker_connector(config, model_path, dtype, device, parallel, pools)
 
     def _load_draft(self, spec: SpeculativeConfig, max_model_len: int) -> DraftModel:
         """The draft model of speculative decoding, on the target's device, dtype and kernels."""
@@ -422,6 +427,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(plan)
+        connector.start(plan.kv_transfer)
+        result = self._execute(plan)
+        result.kv_loaded = connector.finish()
+        return result
+
+    def close(self) -> None:
+        """Finish what must outlive the process (a disk tier's pending writes)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._apply_diff(plan)
         if plan.empty:
             return StepResult()

@@ -75,6 +75,8 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # Disaggregated prefill/decode (vLLM's protocol, as vllm-router and llm-d send it)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -278,6 +278,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 structured_output=structured,
+                kv_transfer_params=body.kv_transfer_params,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
@@ -330,6 +331,7 @@ class OpenAIServing:
                 "choices": choices,
                 "usage": _usage(job, outputs),
                 "timings": self._timings(outputs),
+                **_kv_transfer_field(outputs),
             }
         )
 
@@ -482,6 +484,7 @@ class OpenAIServing:
                 "choices": choices,
                 "usage": _usage(job, outputs),
                 "timings": self._timings(outputs),
+                **_kv_transfer_field(outputs),
             }
         )
 
@@ -732,9 +735,9 @@ async def _engine_errors(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[Req
     try:
         async for out in gen:
             yield out
-    except RequestRefused as exc:  # a tier rule: the queue is too long for its targets
+    except RequestRefused as exc:  # a tier rule (the queue is too long for its targets), a peer gone
         retry = str(max(1, math.ceil(exc.retry_after)))
-        raise APIError(429, str(exc), code=exc.code, headers={"Retry-After": retry}) from exc
+        raise APIError(exc.status, str(exc), code=exc.code, headers={"Retry-After": retry}) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except EngineDeadError as exc:
@@ -756,6 +759,13 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _kv_transfer_field(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill worker's `kv_transfer_params` for the decode worker, top level as vLLM puts it
+    (absent, not null, when there are none)."""
+    params = next((out.kv_transfer_params for out in outputs if out.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}
 
 
 def _usage(job: _Job, outputs: list[RequestOutput]) -> dict[str, Any]:

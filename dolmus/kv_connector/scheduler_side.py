@@ -1,0 +1,352 @@
+"""The scheduler side of the KV connector: what to load, save and export, decided per step.
+
+It keeps the index of what the offload tier holds (an LRU bounded by the tier's size, the one
+place that decides what the tier evicts) and turns the scheduler's events into a KVTransfer for
+the step plan:
+
+- a block evicted from the prefix cache is saved unless the tier has it (write-behind); with a
+  disk tier every block is also saved once its KV is written, so a restart finds it;
+- a preempted request's computed blocks are saved, the partly filled last one included (keyed
+  by its tokens, like a full block), so it resumes where it stopped instead of recomputing;
+- an admitted request whose next blocks the tier holds (after its prefix-cache hits) loads
+  them instead of computing them; so does a decode worker's request whose prompt a prefill
+  worker computed (disaggregated prefill/decode), from that worker's outbox;
+- a prefill worker exports a request's prompt blocks after the forward pass that completes
+  its prompt, and answers with the `kv_transfer_params` a decode worker needs.
+
+A request loading blocks holds its seat and blocks but computes nothing in that step; the
+hashes of what it loads enter the prefix cache only after every rank reported the load good,
+so a failed load leaves nothing behind and the request computes those tokens instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from dolmus.config import EngineConfig, KVTransferConfig
+from dolmus.engine.kv_cache import CachedBlock, KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
+from dolmus.engine.request import Request
+from dolmus.kv_connector.stores import MEDIUM_CPU, MEDIUM_STORAGE
+from dolmus.step import BlockLoad, KVTransfer
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+class TierIndex:
+    """The block hashes a store holds, least recently used first, bounded by its capacity."""
+
+    def __init__(self, capacity: int, held: list[bytes] = ()) -> None:  # type: ignore[assignment]
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self.overflow = []  # what `held` had past the capacity: to be deleted
+        for key in held:
+            self.overflow.extend(self.add(key))
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def touch(self, key: bytes) -> None:
+        self._lru.move_to_end(key)
+
+    def add(self, key: bytes) -> list[bytes]:
+        """Record a new entry; returns the entries it pushed out (to delete from the store)."""
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+        out = []
+        while len(self._lru) > self.capacity:
+            out.append(self._lru.popitem(last=False)[0])
+        return out
+
+    def remove(self, key: bytes) -> None:
+        self._lru.pop(key, None)
+
+
+@dataclass
+class LoadMatch:
+    """Entries that hold a request's next tokens, in chain order."""
+
+    hashes: list[bytes]
+    num_tokens: int  # tokens they make computed, if all load
+    source: str  # "" for the tier, else the remote prefill worker's transfer address
+
+
+@dataclass
+class _Load:
+    request: Request
+    match: LoadMatch
+    first_block: int  # the request's block-table index where the loaded blocks start
+
+
+@dataclass
+class LoadOutcome:
+    request: Request
+    num_tokens: int  # tokens the load made computed
+    failed: bool  # some entries did not load (corrupt, missing, or a peer gone)
+    source: str
+    fatal: bool = False  # the request must end (a remote load failed under the fail policy)
+
+
+@dataclass
+class ConnectorStats:
+    tier_saved_blocks: int = 0
+    tier_loaded_tokens: int = 0  # tokens loaded from the tier instead of computed
+    tier_failed_loads: int = 0  # entries found missing or corrupt
+    remote_loaded_tokens: int = 0  # tokens fetched from prefill workers
+    remote_failed_loads: int = 0
+    exported_blocks: int = 0
+
+
+def remote_params(request: Request) -> dict[str, Any] | None:
+    return request.params.kv_transfer_params
+
+
+class KVConnectorScheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        tier: TierIndex | None,
+        tier_medium: str | None,
+        write_through: bool,
+        transfer: KVTransferConfig | None,
+        outbox_capacity: int,
+        world_size: int,
+    ) -> None:
+        self.kv = kv
+        self.bs = kv.block_size
+        self.tier = tier
+        self.tier_medium = tier_medium
+        self.transfer = transfer
+        self.outbox = TierIndex(outbox_capacity) if transfer is not None and transfer.produces else None
+        self.world_size = world_size
+        self.engine_id = (transfer.engine_id if transfer else None) or uuid.uuid4().hex
+        self.stats = ConnectorStats()
+        self._plan = KVTransfer()
+        self._loads: dict[str, _Load] = {}
+        if tier is not None:
+            kv.pool.evicted = []
+            if write_through:
+                kv.committed = []
+            self._plan.drop_hashes.extend(tier.overflow)
+
+    # -- what is held outside -------------------------------------------------------------
+
+    def _partial_key(self, request: Request, num_full: int, upto: int) -> tuple[bytes, int] | None:
+        """The key of a partly filled block: its first `upto - num_full * bs` tokens, chained."""
+        count = upto - num_full * self.bs
+        if count <= 0:
+            return None
+        parent = request.block_hashes[num_full - 1] if num_full else b"dolmus-prefix-root"
+        tokens = request.all_token_ids[num_full * self.bs : upto]
+        return hash_block(parent + b"partial", tokens), count
+
+    def match(self, request: Request, num_local_blocks: int) -> LoadMatch | None:
+        """Entries that hold the request's tokens after its `num_local_blocks` prefix-cache
+        hits: from a prefill worker if its params name one, else from the tier. At least one
+        token is left to compute (the model must run on the last one)."""
+        self.kv.update_block_hashes(request)
+        upto = request.num_tokens - 1
+        max_full = upto // self.bs
+        if num_local_blocks * self.bs > upto:
+            return None
+        params = remote_params(request)
+        if params is not None and params.get("do_remote_prefill") and self.transfer is not None:
+            source = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
+            hashes = request.block_hashes[num_local_blocks:max_full]
+            tokens = len(hashes) * self.bs
+            if num_local_blocks <= max_full:
+                partial = self._partial_key(request, max_full, upto)
+                if partial is not None:
+                    hashes = [*hashes, partial[0]]
+                    tokens += partial[1]
+            return LoadMatch(hashes, tokens, source) if hashes else None
+        if self.tier is None:
+            return None
+        hashes = []
+        for key in request.block_hashes[num_local_blocks:max_full]:
+            if key not in self.tier:
+                break
+            hashes.append(key)
+        tokens = len(hashes) * self.bs
+        if num_local_blocks + len(hashes) == max_full:
+            partial = self._partial_key(request, max_full, upto)
+            if partial is not None and partial[0] in self.tier:
+                hashes.append(partial[0])
+                tokens += partial[1]
+        for key in hashes:
+            self.tier.touch(key)
+        return LoadMatch(hashes, tokens, "") if hashes else None
+
+    def start_load(self, request: Request, match: LoadMatch, first_block: int) -> None:
+        """The request got blocks for the match: load them in this step."""
+        block_ids = self.kv.block_ids(request.request_id, first_block)[: len(match.hashes)]
+        self._plan.loads.append(BlockLoad(request.request_id, match.hashes, block_ids, match.source))
+        self._loads[request.request_id] = _Load(request, match, first_block)
+
+    def is_loading(self, request: Request) -> bool:
+        return request.request_id in self._loads
+
+    # -- what to save -------------------------------------------------------------------
+
+    def _save(self, key: bytes, block_id: int, parent: bytes | None, tokens: list[int]) -> None:
+        assert self.tier is not None
+        if key in self.tier:
+            self.tier.touch(key)
+            return
+        plan = self._plan
+        plan.save_hashes.append(key)
+        plan.save_block_ids.append(block_id)
+        dropped = self.tier.add(key)
+        plan.drop_hashes.extend(dropped)
+        self.stats.tier_saved_blocks += 1
+        if self.kv.events is not None:
+            if dropped:
+                self.kv.events.append(RemovedBlocks(dropped, self.tier_medium))
+            if tokens:
+                self.kv.events.append(StoredBlocks([key], parent, list(tokens), self.tier_medium))
+
+    def on_preempt(self, request: Request) -> None:
+        """Save what the request computed before its blocks go (called before they are freed)."""
+        if self.tier is None or request.request_id in self._loads:
+            return
+        self.kv.update_block_hashes(request)
+        blocks = self.kv.block_ids(request.request_id)
+        computed = request.num_computed_tokens
+        num_full = min(computed // self.bs, len(request.block_hashes))
+        keep_tokens = self.kv.events is not None
+        for i in range(num_full):
+            tokens = request.all_token_ids[i * self.bs : (i + 1) * self.bs] if keep_tokens else []
+            parent = request.block_hashes[i - 1] if i else None
+            self._save(request.block_hashes[i], blocks[i], parent, tokens)
+        partial = self._partial_key(request, num_full, computed)
+        if partial is not None and num_full < len(blocks):
+            self._save(partial[0], blocks[num_full], None, [])  # not a block routers can match
+
+    def on_scheduled(self, scheduled: list[tuple[Request, bool]]) -> None:
+        """A prefill worker exports a request's prompt blocks in the step that completes its
+        prompt (after the forward pass writes them): (request, whether its chunk samples)."""
+        if self.outbox is None:
+            return
+        for request, samples in scheduled:
+            params = remote_params(request)
+            if not (samples and request.num_output_tokens == 0 and params and params.get("do_remote_decode")):
+                continue
+            self.kv.update_block_hashes(request)
+            upto = request.num_prompt_tokens - 1
+            num_full = upto // self.bs
+            blocks = self.kv.block_ids(request.request_id)
+            keys = list(request.block_hashes[:num_full])
+            partial = self._partial_key(request, num_full, upto)
+            if partial is not None:
+                keys.append(partial[0])
+            plan = self._plan
+            for key, block_id in zip(keys, blocks):
+                plan.export_hashes.append(key)
+                plan.export_block_ids.append(block_id)
+                plan.drop_export_hashes.extend(self.outbox.add(key))
+            self.stats.exported_blocks += len(keys)
+            request.kv_transfer_out = self.transfer_params(request, blocks[: len(keys)])
+
+    def transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
+        """What the prefill response carries for the decode worker (vLLM's NIXL keys, plus ours)."""
+        assert self.transfer is not None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": block_ids,
+            "remote_host": self.transfer.kv_ip,
+            "remote_port": self.transfer.kv_port,
+            "tp_size": self.world_size,
+        }
+
+    # -- the step -------------------------------------------------------------------------
+
+    def take_transfer(self) -> KVTransfer | None:
+        """This step's transfers, evictions of this schedule included; None when there are none."""
+        if self.tier is not None:
+            evicted = self.kv.pool.evicted or []
+            committed = self.kv.committed or []
+            for block in (*evicted, *committed):
+                self._save_cached(block)
+            evicted.clear()
+            committed.clear()
+        plan, self._plan = self._plan, KVTransfer()
+        return None if plan.empty else plan
+
+    def _save_cached(self, block: CachedBlock) -> None:
+        self._save(block.block_hash, block.block_id, block.parent_hash, block.token_ids)
+
+    @property
+    def has_pending(self) -> bool:
+        """Transfers wait for a step (an engine going idle runs one more for them)."""
+        return not self._plan.empty or bool(self.kv.pool.evicted) or bool(self.kv.committed)
+
+    def loaded(self, report: dict[str, int]) -> list[LoadOutcome]:
+        """Apply the ranks' report of this step's loads: entries that did not load leave the
+        index (and the tier); returns, per request still loading, what it gained."""
+        outcomes = []
+        for rid, load in list(self._loads.items()):
+            del self._loads[rid]
+            match = load.match
+            good = min(report.get(rid, 0), len(match.hashes))
+            failed = good < len(match.hashes)
+            tokens = match.num_tokens if not failed else good * self.bs
+            if match.source:
+                self.stats.remote_loaded_tokens += tokens
+                self.stats.remote_failed_loads += failed
+            else:
+                self.stats.tier_loaded_tokens += tokens
+                if failed and self.tier is not None:
+                    self.stats.tier_failed_loads += 1
+                    bad = match.hashes[good]
+                    self.tier.remove(bad)
+                    self._plan.drop_hashes.append(bad)
+                    if self.kv.events is not None:
+                        self.kv.events.append(RemovedBlocks([bad], self.tier_medium))
+            fatal = failed and bool(match.source) and self.transfer is not None
+            fatal = fatal and self.transfer.kv_load_failure_policy == "fail"  # type: ignore[union-attr]
+            outcomes.append(LoadOutcome(load.request, tokens, failed, match.source, fatal))
+        return outcomes
+
+    def forget(self, request: Request) -> None:
+        """The request left while loading (aborted): its report will be ignored."""
+        self._loads.pop(request.request_id, None)
+
+
+def make_scheduler_connector(
+    config: EngineConfig, kv: KVCacheManager, block_bytes: int, inventory: list[bytes], world_size: int
+) -> KVConnectorScheduler | None:
+    """`block_bytes`: one block on one rank; `inventory`: what a disk tier held at start."""
+    tier_spec = config.kv_offload_tier
+    transfer = config.kv_transfer_config
+    assert transfer is None or isinstance(transfer, KVTransferConfig)
+    if tier_spec is None and transfer is None:
+        return None
+    per_block = max(block_bytes * world_size, 1)
+    tier = medium = None
+    if tier_spec is not None:
+        capacity = max(int(config.kv_offload_size * _GIB) // per_block, 1)
+        tier = TierIndex(capacity, inventory)
+        medium = MEDIUM_CPU if tier_spec[0] == "cpu" else MEDIUM_STORAGE
+        logger.info(
+            "KV offload tier: %s, %d blocks (%.1f GiB)%s",
+            tier_spec[0] if tier_spec[1] is None else f"disk at {tier_spec[1]}",
+            capacity,
+            config.kv_offload_size,
+            f", {len(tier)} found from earlier runs" if inventory else "",
+        )
+    outbox = 0
+    if transfer is not None and transfer.produces:
+        outbox = max(int(transfer.kv_buffer_size) // per_block, 1)
+    write_through = tier_spec is not None and tier_spec[0] == "disk"
+    return KVConnectorScheduler(kv, tier, medium, write_through, transfer, outbox, world_size)

@@ -1,0 +1,180 @@
+"""The worker side of the KV connector: one rank's saves, loads and exports around a step.
+
+`start` runs before the forward pass: it copies the blocks to save out of the cache first (a
+block evicted in this schedule may be overwritten by this very step), hands the copies to the
+store (the disk store writes them behind, on its thread), and starts the step's loads on a
+thread so they overlap the forward pass; no scheduled request reads the blocks being loaded.
+`finish` runs after it: it takes the exports (blocks this step's forward pass completed), waits
+for the loads, and agrees with the other ranks on how many blocks of each load every rank got
+(the smallest count), so every rank reports the same and the engine recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from dolmus.config import EngineConfig, KVTransferConfig
+from dolmus.distributed.collectives import agree_on_min_each
+from dolmus.distributed.parallel_config import ParallelConfig
+from dolmus.kv_connector.block_io import BlockIO
+from dolmus.kv_connector.keys import KVLayout, model_fingerprint
+from dolmus.kv_connector.stores import BlockStore, DiskStore, MemoryStore
+from dolmus.kv_connector.transfer import BlockServer, TransferError, fetch_blocks
+from dolmus.runtime.attention.kv_store import PagedKV
+from dolmus.step import BlockLoad, KVTransfer
+
+logger = logging.getLogger(__name__)
+
+
+def rank_address(source: str, rank: int) -> str:
+    """tcp://host:port of rank 0 -> that of `rank` (each rank serves on port + rank)."""
+    head, _, port = source.rpartition(":")
+    return f"{head}:{int(port) + rank}"
+
+
+class KVConnectorWorker:
+    def __init__(
+        self,
+        layout: KVLayout,
+        pools: Sequence[PagedKV],
+        parallel: ParallelConfig,
+        device: torch.device,
+        tier: BlockStore | None = None,
+        serve_address: str | None = None,
+        transfer_timeout: float = 30.0,
+    ) -> None:
+        self.layout = layout
+        self.io = BlockIO(pools)
+        self.parallel = parallel
+        self.device = device
+        self.tier = tier
+        self.transfer_timeout = transfer_timeout
+        self.outbox: MemoryStore | None = None
+        self.server: BlockServer | None = None
+        if serve_address is not None:
+            self.outbox = MemoryStore()
+            self.server = BlockServer(self.outbox, layout.key, rank_address(serve_address, parallel.tp_rank))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
+        self._loading: list[tuple[BlockLoad, Future[int]]] = []
+        self._exports: tuple[list[bytes], list[int]] = ([], [])
+
+    def inventory(self) -> list[bytes]:
+        """What the tier held at start (a disk tier's files), oldest first."""
+        return self.tier.keys() if self.tier is not None else []
+
+    def start(self, transfer: KVTransfer | None) -> None:
+        if transfer is None:
+            return
+        if transfer.save_hashes and self.tier is not None:
+            rows = self.io.gather(transfer.save_block_ids)
+            for key, row in zip(transfer.save_hashes, rows):
+                self.tier.put(key, row.clone())  # its own memory: a row of `rows` keeps all alive
+        for key in transfer.drop_hashes:
+            if self.tier is not None:
+                self.tier.delete(key)
+        for key in transfer.drop_export_hashes:
+            if self.outbox is not None:
+                self.outbox.delete(key)
+        self._exports = (transfer.export_hashes, transfer.export_block_ids)
+        for load in transfer.loads:
+            self._loading.append((load, self._pool.submit(self._load, load)))
+
+    def _load(self, load: BlockLoad) -> int:
+        """Fill the load's blocks from the first on; how many it filled (stops at a gap)."""
+        if load.source:
+            try:
+                rows = fetch_blocks(
+                    rank_address(load.source, self.parallel.tp_rank),
+                    self.layout.key,
+                    load.block_hashes,
+                    self.transfer_timeout,
+                )
+            except TransferError as exc:
+                logger.error("KV transfer for %s: %s", load.request_id, exc)
+                return 0
+        else:
+            assert self.tier is not None, "a tier load without a tier"
+            rows = [self.tier.get(key) for key in load.block_hashes]
+        good = 0
+        for row in rows:
+            if row is None or row.numel() != self.io.block_bytes:
+                break
+            good += 1
+        if good:
+            self.io.scatter(load.block_ids[:good], torch.stack(rows[:good]))  # type: ignore[arg-type]
+        return good
+
+    def finish(self) -> dict[str, int]:
+        """After the forward pass: exports taken, loads done; {request: blocks every rank loaded}."""
+        keys, block_ids = self._exports
+        if keys and self.outbox is not None:
+            rows = self.io.gather(block_ids)
+            for key, row in zip(keys, rows):
+                self.outbox.put(key, row.clone())
+        self._exports = ([], [])
+        if not self._loading:
+            return {}
+        counts = []
+        for load, future in self._loading:
+            try:
+                counts.append(future.result())
+            except Exception:  # a store error is a miss, never a dead step
+                logger.exception("KV load for %s failed", load.request_id)
+                counts.append(0)
+        ids = [load.request_id for load, _ in self._loading]
+        self._loading = []
+        return dict(zip(ids, agree_on_min_each(counts, self.parallel, self.device)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self.tier is not None:
+            self.tier.close()
+        if self.server is not None:
+            self.server.close()
+
+
+def make_worker_connector(
+    config: EngineConfig,
+    model_path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelConfig,
+    pools: Sequence[PagedKV],
+) -> KVConnectorWorker | None:
+    tier_spec = config.kv_offload_tier
+    transfer = config.kv_transfer_config
+    assert transfer is None or isinstance(transfer, KVTransferConfig)
+    if tier_spec is None and transfer is None:
+        return None
+    first = pools[0]
+    layout = KVLayout(
+        model=model_fingerprint(model_path),
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
+        num_layers=len(pools),
+        num_kv_heads=first.data.shape[2],
+        head_dim=first.data.shape[3],
+        rank=parallel.tp_rank,
+        world_size=parallel.tp_size,
+        block_bytes=BlockIO(pools).block_bytes,
+    )
+    tier: BlockStore | None = None
+    if tier_spec is not None:
+        medium, path = tier_spec
+        tier = MemoryStore() if medium == "cpu" else DiskStore(path, layout.key)  # type: ignore[arg-type]
+    serve = None
+    if transfer is not None and transfer.produces:
+        serve = f"tcp://{_listen_host(transfer.kv_ip)}:{transfer.kv_port}"
+    timeout = transfer.kv_transfer_timeout if transfer is not None else 30.0
+    return KVConnectorWorker(layout, pools, parallel, device, tier, serve, timeout)
+
+
+def _listen_host(advertised: str) -> str:
+    """Listen where peers were told to connect; a name is bound on every interface."""
+    return advertised if advertised.replace(".", "").isdigit() or ":" in advertised else "*"

@@ -1,0 +1,190 @@
+"""The KV offload tier: evicted prefixes and preempted requests come back from host memory or
+disk instead of being computed again, with the tokens an engine without the tier produces."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dolmus import LLM
+from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks
+from dolmus.engine.request import Request
+from dolmus.kv_connector.block_io import BlockIO
+from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, TierIndex
+from dolmus.kv_connector.stores import DiskStore, MemoryStore
+from dolmus.runtime.attention.kv_store import make_kv_store
+from dolmus.sampling_params import SamplingParams
+from tests.helpers import greedy, run_tokens
+
+BLOCK = 16
+
+
+def _llm(model: Path, offload: str | None, blocks: int, **kw) -> LLM:
+    """An engine whose KV pool holds `blocks` blocks of the tiny llama (fp32: 2 layers x 2 KV
+    heads x 16 dims x 2 x 4 bytes = 512 bytes per token)."""
+    return LLM(
+        model=str(model),
+        dtype="float32",
+        kv_cache_memory=512 * BLOCK * blocks,
+        kv_offload=offload,
+        kv_offload_size=0.01,
+        max_model_len=min(blocks * BLOCK, 512),
+        max_num_seqs=4,
+        **kw,
+    )
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def _evict_and_return(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """A, then prompts that push A out of a small pool, then A again: tokens and A's hits."""
+    a, b, c = _prompts(1, (150, 200, 200))
+    tokens, cached = [], []
+    for prompt in (a, b, c, a):
+        out = llm.generate([prompt], greedy(8))[0]
+        tokens.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+    return tokens, cached
+
+
+@pytest.mark.parametrize("medium", ["cpu", "disk"])
+def test_tier_brings_back_an_evicted_prefix(llama_dir: Path, tmp_path: Path, medium: str) -> None:
+    offload = "cpu" if medium == "cpu" else f"disk:{tmp_path / 'kv'}"
+    reference, ref_cached = _evict_and_return(_llm(llama_dir, None, 24))
+    llm = _llm(llama_dir, offload, 24)
+    tokens, cached = _evict_and_return(llm)
+    assert tokens == reference
+    assert ref_cached[3] < 144  # without the tier, A was (mostly) evicted
+    assert cached[3] == 144  # with it: all 9 full blocks, cached or loaded
+    stats = llm.engine.stats()
+    assert stats.kv_offload_loaded_tokens >= 144 - ref_cached[3]
+    assert stats.kv_offload_failed_loads == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_with_the_tier_keeps_the_work(llama_dir: Path, prefix_caching: bool) -> None:
+    prompts = _prompts(2, (40, 40, 40, 40))
+    params = greedy(60)
+    roomy = run_tokens(_llm(llama_dir, None, 64), prompts, params)
+    without = _llm(llama_dir, None, 16, enable_prefix_caching=prefix_caching)
+    assert run_tokens(without, prompts, params) == roomy
+    lost = without.engine.stats()
+    assert lost.num_preemptions > 0 and lost.preemption_recomputed_tokens > 0
+    tiered = _llm(llama_dir, "cpu", 16, enable_prefix_caching=prefix_caching)
+    assert run_tokens(tiered, prompts, params) == roomy
+    stats = tiered.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.preemption_recomputed_tokens == 0  # partly filled last blocks included
+    assert stats.kv_offload_loaded_tokens > 0
+
+
+def test_disk_tier_survives_a_restart_and_detects_corruption(llama_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    system = _prompts(3, (130,))[0]
+    first = _llm(llama_dir, f"disk:{folder}", 64)
+    expected = first.generate([system], greedy(8))[0].outputs[0].token_ids
+    first.engine.shutdown()  # pending writes finish
+
+    warm = _llm(llama_dir, f"disk:{folder}", 64)
+    out = warm.generate([system], greedy(8))[0]
+    assert out.outputs[0].token_ids == expected
+    assert out.num_cached_tokens == 128  # every full block below the last token, from disk
+    warm.engine.shutdown()
+
+    files = sorted(folder.rglob("*.kv"))
+    assert len(files) >= 8
+    for path in files:  # flip one byte of every payload
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    cold = _llm(llama_dir, f"disk:{folder}", 64)
+    out = cold.generate([system], greedy(8))[0]
+    assert out.outputs[0].token_ids == expected  # computed again, not read from bad files
+    stats = cold.engine.stats()
+    assert stats.kv_offload_failed_loads == 1 and stats.kv_offload_loaded_tokens == 0
+    assert out.num_cached_tokens == 0
+
+
+def test_a_different_layout_finds_nothing(llama_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    prompt = _prompts(4, (100,))[0]
+    _llm(llama_dir, f"disk:{folder}", 64).generate([prompt], greedy(4))
+    other = _llm(llama_dir, f"disk:{folder}", 64, kv_cache_dtype="int8")
+    assert other.generate([prompt], greedy(4))[0].num_cached_tokens == 0
+    assert len(list(folder.iterdir())) == 2  # one folder per layout
+
+
+def test_quantized_kv_travels_with_its_scales(llama_dir: Path) -> None:
+    reference, _ = _evict_and_return(_llm(llama_dir, None, 24, kv_cache_dtype="int8"))
+    llm = _llm(llama_dir, "cpu", 24, kv_cache_dtype="int8")
+    tokens, cached = _evict_and_return(llm)
+    assert tokens == reference and cached[3] == 144
+
+
+def test_block_io_round_trip_with_scales() -> None:
+    pools = [make_kv_store("int8", 8 * 4, 2, 16, 4, torch.bfloat16, torch.device("cpu")) for _ in range(3)]
+    for pool in pools:
+        pool.write(torch.arange(32), torch.randn(32, 2, 16), torch.randn(32, 2, 16))
+    io = BlockIO(pools)
+    rows = io.gather([1, 6])
+    assert rows.shape == (2, io.block_bytes)
+    copies = [make_kv_store("int8", 8 * 4, 2, 16, 4, torch.bfloat16, torch.device("cpu")) for _ in range(3)]
+    BlockIO(copies).scatter([3, 0], rows)
+    ids = torch.tensor([1, 6])
+    for pool, copy in zip(pools, copies):
+        for which in (0, 1):
+            assert torch.equal(pool.blocks(which, ids), copy.blocks(which, torch.tensor([3, 0])))
+
+
+def test_disk_store_checks_what_it_reads(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, "layout")
+    key = bytes(range(32))
+    row = torch.arange(100, dtype=torch.uint8)
+    store.put(key, row)
+    assert torch.equal(store.get(key), row)  # pending or written, the same bytes
+    store.close()
+    again = DiskStore(tmp_path, "layout")
+    assert again.keys() == [key]
+    assert torch.equal(again.get(key), row)
+    path = next((tmp_path / "layout").glob("*.kv"))
+    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    assert again.get(key) is None and not path.exists()
+    assert again.num_corrupt == 1
+    again.close()
+
+
+def test_tier_saves_evicted_blocks_and_announces_them_with_their_medium() -> None:
+    kv = KVCacheManager(4, 4, enable_prefix_caching=True, record_events=True)
+    connector = KVConnectorScheduler(kv, TierIndex(2), "CPU", False, None, 0, 1)
+    first = Request("a", list(range(13)), SamplingParams(max_tokens=1), [], 1)
+    assert kv.allocate(first, 13)
+    kv.commit_step()
+    kv.free(first)
+    kv.take_events()
+    second = Request("b", list(range(100, 116)), SamplingParams(max_tokens=1), [], 1)
+    assert kv.allocate(second, 16)  # takes all 4 blocks: the 3 cached ones are evicted
+    plan = connector.take_transfer()
+    assert plan is not None and len(plan.save_hashes) == 3
+    # A freed request's tail is evicted first, so the tier's oldest entry, pushed out, is the
+    # chain's last block, and what it keeps is the chain's start.
+    h0, h1, h2 = first.block_hashes
+    assert plan.save_hashes == [h2, h1, h0] and plan.drop_hashes == [h2]
+    events = kv.take_events()
+    stored = [e for e in events if isinstance(e, StoredBlocks) and e.medium == "CPU"]
+    removed = [e for e in events if isinstance(e, RemovedBlocks) and e.medium == "CPU"]
+    assert [e.block_hashes[0] for e in stored] == [h2, h1, h0]
+    assert stored[2].token_ids == list(range(4)) and stored[2].parent_hash is None
+    assert removed[0].block_hashes == [h2]
+    # The same prompt again finds its first two blocks in the tier.
+    kv.free(second)
+    match = connector.match(Request("c", list(range(13)), SamplingParams(max_tokens=1), [], 1), 0)
+    assert match is not None and match.hashes == [h0, h1] and match.num_tokens == 8
+    store = MemoryStore()
+    store.put(b"k", torch.zeros(1, dtype=torch.uint8))
+    assert len(store) == 1 and store.get(b"k") is not None
