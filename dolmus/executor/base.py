@@ -34,6 +34,7 @@ class RunnerInfo:
     # With a KV connector: one block's bytes on this rank, and what its disk tier held at start.
     kv_block_bytes: int = 0
     kv_tier_inventory: list[bytes] = field(default_factory=list)
+    kv_layout_key: str = ""  # what rank 0's entries are filed under (kv_connector/keys.py)
 
     @classmethod
     def of(cls, runner: ModelRunner) -> RunnerInfo:
@@ -45,6 +46,7 @@ class RunnerInfo:
             runner.step_tokens,
             connector.io.block_bytes if connector is not None else 0,
             connector.inventory() if connector is not None else [],
+            connector.layout.key if connector is not None else "",
         )
 
 

@@ -39,7 +39,11 @@ _GIB = 1 << 30
 
 
 class TierIndex:
-    """The block hashes a store holds, least recently used first, bounded by its capacity."""
+    """The block hashes a store holds, least recently used first, bounded by its capacity.
+
+    The index of a store only this engine writes (host memory, a local disk): the one place
+    that decides what the store keeps. A store several engines share answers for itself instead
+    (the same methods, asked of the store)."""
 
     def __init__(self, capacity: int, held: list[bytes] = ()) -> None:  # type: ignore[assignment]
         self.capacity = capacity
@@ -56,6 +60,15 @@ class TierIndex:
 
     def touch(self, key: bytes) -> None:
         self._lru.move_to_end(key)
+
+    def held_prefix(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, the store holds."""
+        count = 0
+        for key in keys:
+            if key not in self._lru:
+                break
+            count += 1
+        return count
 
     def add(self, key: bytes) -> list[bytes]:
         """Record a new entry; returns the entries it pushed out (to delete from the store)."""
@@ -170,11 +183,8 @@ class KVConnectorScheduler:
             return LoadMatch(hashes, tokens, source) if hashes else None
         if self.tier is None:
             return None
-        hashes = []
-        for key in request.block_hashes[num_local_blocks:max_full]:
-            if key not in self.tier:
-                break
-            hashes.append(key)
+        wanted = request.block_hashes[num_local_blocks:max_full]
+        hashes = wanted[: self.tier.held_prefix(wanted)]
         tokens = len(hashes) * self.bs
         if num_local_blocks + len(hashes) == max_full:
             partial = self._partial_key(request, max_full, upto)
