@@ -433,7 +433,7 @@ def test_a_busy_scheduler_stops_drafting_by_the_measured_costs():
             sched.add(Request(f"r{i}", [1, 2, 3] * 5, params, [0], 100))
         out = sched.schedule()  # the prefills
         sched.update(out, StepResult({item.request.request_id: [1] for item in out.scheduled}))
-        sched.step_costs = _costs(seconds_of)  # measured at 8 plain tokens among others
+        sched.drafts.step_costs = _costs(seconds_of)  # measured at 8 plain tokens among others
         out = sched.schedule()
         return [len(item.drafts) for item in out.scheduled], sched.spec_stats.fallbacks
 

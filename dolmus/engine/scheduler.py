@@ -21,28 +21,15 @@ import time
 from dataclasses import dataclass, field
 
 from dolmus.config import SpeculativeConfig, TierSpec
+from dolmus.engine.draft_planner import DraftPlanner, SpecStats
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, LoadOutcome
-from dolmus.spec.policy import StepCosts, draft_length
-from dolmus.spec.proposer import Proposer, make_proposer
 from dolmus.step import NewRequest, StepPlan, StepResult
-from dolmus.structured.backend import GrammarState
 
 logger = logging.getLogger(__name__)
-
-# Weight of the latest window in a request's moving average of its drafts' acceptance (the
-# chance a draft is accepted when the ones before it were): requests whose drafts keep
-# failing stop paying for long windows and ones that copy their input get full ones.
-_ACCEPTANCE_EMA = 0.5
-# Weight of the latest window in the engine-wide average that new requests start from.
-_PRIOR_EMA = 0.05
-# Every this many steps the drafts go out whatever the measured costs say, so a size whose
-# cost was measured in a disturbed step gets measured again.
-_EXPLORE_EVERY = 256
-
 
 @dataclass
 class ScheduledRequest:
@@ -55,19 +42,6 @@ class ScheduledRequest:
         """The chunk reaches the request's last token, so this step yields its next token(s)."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens - len(self.drafts) == r.num_tokens
-
-
-@dataclass
-class SpecStats:
-    """Speculative decoding counters since start (vLLM's spec_decode_* metrics)."""
-
-    num_drafts: int = 0  # requests-steps that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    # decodes that ran without a window they could have had: the measured step costs said it
-    # would not pay ("cost"), or no KV blocks were free for it ("memory"; never a preemption)
-    fallbacks: dict[str, int] = field(default_factory=lambda: {"cost": 0, "memory": 0})
 
 
 @dataclass
@@ -115,21 +89,17 @@ class Scheduler:
         self.book = TierBook(
             tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of
         )
-        self.speculative = speculative
-        self.proposer: Proposer | None = make_proposer(speculative) if speculative is not None else None
-        k = speculative.num_speculative_tokens if speculative is not None else 0
-        self.spec_stats = SpecStats(accepted_per_position=[0] * k)
-        self.step_costs = StepCosts()  # what the engine measured steps of each size to take
-        # The acceptance a request is assumed to have before its first window is checked: the
-        # average over the windows this engine checked (a server whose traffic copies its
-        # input gives new requests full windows; one whose drafts fail, short or none).
-        self.acceptance_prior = 0.5
-        self._steps_drafted = 0
+        self.drafts = DraftPlanner(speculative, kv, self.book, max_model_len) if speculative else None
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's timing of the step it ran from `out`."""
-        drafts = sum(len(item.drafts) for item in out.scheduled)
-        self.step_costs.observe(out.num_batched_tokens - drafts, drafts, seconds)
+        if self.drafts is not None:
+            drafts = sum(len(item.drafts) for item in out.scheduled)
+            self.drafts.step_costs.observe(out.num_batched_tokens - drafts, drafts, seconds)
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.drafts.stats if self.drafts is not None else SpecStats()
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -155,9 +125,9 @@ class Scheduler:
         request.status = status
         request.timings.finished = time.monotonic()
         self._finished_ids.append(request_id)
-        if self.proposer is not None:  # suffix drafts are made of finished outputs
+        if self.drafts is not None:  # suffix drafts are made of finished outputs
             aborted = status == RequestStatus.FINISHED_ABORTED
-            self.proposer.finished(request_id, None if aborted else request.output_token_ids)
+            self.drafts.proposer.finished(request_id, None if aborted else request.output_token_ids)
         return request
 
     def _preempt(
@@ -253,69 +223,14 @@ class Scheduler:
                 self.book.spend(request, item.num_new_tokens)
                 budget -= item.num_new_tokens
 
-        if self.proposer is not None and budget > 0 and not preempted:
-            self._add_drafts(scheduled, budget)
+        if self.drafts is not None and budget > 0 and not preempted:
+            self.drafts.add_drafts(scheduled, budget, len(self.running))
         out_list = list(scheduled.values())
         plan = self._plan(out_list, preempted)
         if self.connector is not None:
             self.connector.on_scheduled([(item.request, item.samples) for item in out_list])
             plan.kv_transfer = self.connector.take_transfer()
         return SchedulerOutput(plan, out_list, preempted)
-
-    def _add_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
-        """Give decodes this step the drafts the budget has room for, most urgent first, as
-        long as the measured step costs say they raise the step's tokens per second."""
-        spec = self.speculative
-        assert spec is not None and self.proposer is not None
-        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
-            return
-        base_tokens = sum(item.num_new_tokens for item in scheduled.values())
-        num_drafts = 0
-        expected_yield = float(sum(item.samples for item in scheduled.values()))
-        self._steps_drafted += 1
-        measured = spec.adaptive and self._steps_drafted % _EXPLORE_EVERY
-        for item in scheduled.values():
-            if budget <= 0:
-                break
-            r = item.request
-            if item.num_new_tokens != 1 or not item.samples:
-                continue
-            if r.grammar is not None and self.proposer.drafts_in_runner:
-                continue  # its grammar can check drafts only here, before they exist
-            room = min(
-                spec.num_speculative_tokens,
-                budget,
-                r.max_tokens - r.num_output_tokens - 1,  # the step yields drafts + 1 at most
-                self.max_model_len - r.num_tokens,  # every draft's KV needs a position
-            )
-            room = min(room, self.book.allowance(r, budget))
-            alpha = self.acceptance_prior if r.draft_acceptance is None else r.draft_acceptance
-            # a share of the window as long as the request's acceptance
-            scaled = min(room, max(1, round(spec.num_speculative_tokens * alpha)))
-            if not measured:
-                room = scaled
-            elif room > 0:
-                room = draft_length(
-                    self.step_costs, base_tokens, num_drafts, expected_yield, alpha, room, scaled
-                )
-                if room == 0:
-                    self.spec_stats.fallbacks["cost"] += 1
-            if room <= 0:
-                continue
-            drafts = self.proposer.propose(r.request_id, r.all_token_ids, room)
-            if r.grammar is not None:
-                drafts = _grammatical_prefix(r.grammar, drafts)
-            if not drafts:
-                continue  # nothing to guess
-            if not self.kv.allocate(r, 1 + len(drafts)):
-                self.spec_stats.fallbacks["memory"] += 1
-                continue  # no blocks for it: a plain decode, never a preemption
-            item.drafts = drafts
-            item.num_new_tokens = 1 + len(drafts)
-            self.book.spend(r, len(drafts))
-            budget -= len(drafts)
-            num_drafts += len(drafts)
-            expected_yield += sum(alpha**d for d in range(1, len(drafts) + 1))
 
     def _memory_victim(self, i: int) -> Request:
         """Whom running[i] preempts for blocks: the least urgent, latest request after it that
@@ -446,7 +361,8 @@ class Scheduler:
             tokens = result.sampled.get(request.request_id)
             if item.drafts:  # KV is good up to the last accepted draft; the rest is overwritten later
                 request.num_computed_tokens += len(tokens) if tokens else 1
-                self._count_acceptance(item, len(tokens) - 1 if tokens else 0)
+                assert self.drafts is not None
+                self.drafts.count_acceptance(item, len(tokens) - 1 if tokens else 0)
             else:
                 request.num_computed_tokens += item.num_new_tokens
             if tokens:
@@ -470,27 +386,6 @@ class Scheduler:
         the engine ends them with an error naming the peer)."""
         failed, self._failed_loads = self._failed_loads, []
         return failed
-
-    def _count_acceptance(self, item: ScheduledRequest, accepted: int) -> None:
-        r = item.request
-        r.num_draft_tokens += len(item.drafts)
-        r.num_accepted_tokens += accepted
-        # Drafts are checked in order up to the first rejection: the ones checked are the
-        # accepted ones plus that one, if any.
-        checked = accepted + (accepted < len(item.drafts))
-        rate = accepted / checked
-        prior = self.acceptance_prior
-        self.acceptance_prior += _PRIOR_EMA * (rate - prior)
-        r.draft_acceptance = (prior if r.draft_acceptance is None else r.draft_acceptance) * (
-            1 - _ACCEPTANCE_EMA
-        )
-        r.draft_acceptance += _ACCEPTANCE_EMA * rate
-        stats = self.spec_stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += len(item.drafts)
-        stats.num_accepted_tokens += accepted
-        for i in range(accepted):
-            stats.accepted_per_position[i] += 1
 
     def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> int:
         """Append tokens one by one until one ends the request; returns how many were kept."""
@@ -523,14 +418,3 @@ class Scheduler:
     @property
     def num_preempted_waiting(self) -> int:
         return self.waiting.num_preempted
-
-
-def _grammatical_prefix(grammar: GrammarState, drafts: list[int]) -> list[int]:
-    """The drafts up to the first one the request's grammar forbids; the grammar is left as it was."""
-    kept = 0
-    for token in drafts:
-        if grammar.is_terminated or not grammar.accept(token):
-            break
-        kept += 1
-    grammar.rollback(kept)
-    return drafts[:kept]
