@@ -25,7 +25,7 @@ BLOCK = 16
 def _llm(model: Path, offload: str | None, blocks: int, **kw) -> LLM:
     """An engine whose KV pool holds `blocks` blocks of the tiny llama (fp32: 2 layers x 2 KV
     heads x 16 dims x 2 x 4 bytes = 512 bytes per token)."""
-    return LLM(
+    settings = dict(
         model=str(model),
         dtype="float32",
         kv_cache_memory=512 * BLOCK * blocks,
@@ -33,8 +33,8 @@ def _llm(model: Path, offload: str | None, blocks: int, **kw) -> LLM:
         kv_offload_size=0.01,
         max_model_len=min(blocks * BLOCK, 512),
         max_num_seqs=4,
-        **kw,
     )
+    return LLM(**{**settings, **kw})
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -188,3 +188,22 @@ def test_tier_saves_evicted_blocks_and_announces_them_with_their_medium() -> Non
     store = MemoryStore()
     store.put(b"k", torch.zeros(1, dtype=torch.uint8))
     assert len(store) == 1 and store.get(b"k") is not None
+
+
+def test_tier_under_tensor_parallelism_gives_one_ranks_tokens(llama_dir: Path, tmp_path: Path) -> None:
+    """Each rank saves and loads its own heads' share under its own layout; every rank must
+    load a block for it to count (the ranks agree on the smallest count)."""
+    prompts = _prompts(5, (40, 40, 40, 40))
+    params = greedy(60)
+    reference = run_tokens(_llm(llama_dir, None, 64), prompts, params)
+    folder = tmp_path / "kv"
+    # the host's budget of 16 blocks, split between two ranks that each hold half the heads
+    two = _llm(llama_dir, f"disk:{folder}", 16, tensor_parallel_size=2)
+    try:
+        assert run_tokens(two, prompts, params) == reference
+        stats = two.engine.stats()
+        assert stats.num_preemptions > 0 and stats.preemption_recomputed_tokens == 0
+        assert stats.kv_offload_loaded_tokens > 0
+    finally:
+        two.engine.shutdown()
+    assert len(list(folder.iterdir())) == 2  # one layout per rank
