@@ -282,3 +282,43 @@ def test_vllm_router_kv_aware_keeps_conversations_where_their_cache_is(fleet: Fl
     kv_rate, kv_answers = fleet.run("vllm", "kv_aware")
     assert kv_rate >= 1.5 * rr_rate, (kv_rate, rr_rate)
     assert kv_answers == rr_answers
+
+
+def test_vllm_router_kv_aware_credits_blocks_in_the_offload_tier() -> None:
+    """Blocks the pool evicted into a replica's offload tier are announced with medium "CPU";
+    kv_aware must still send their prompts to that replica, where they load instead of being
+    computed (both replicas idle: on load alone half the prompts would miss)."""
+    need("vllm")
+    replicas = []
+    try:
+        for _ in range(2):
+            pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            events = {"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay, "bind": True}
+            server = RemoteServer(
+                "--kv-cache-memory", str(24 * BLOCK_BYTES), "--max-num-seqs", "2",
+                "--kv-offload", "cpu", "--kv-offload-size", "0.05",
+                "--kv-events-config", json.dumps(events),
+            )  # fmt: skip
+            replicas.append((server, KVEventSource(server.url, pub, replay)))
+        urls = [server.url for server, _ in replicas]
+        rng = random.Random(11)
+        words = "the little girl saw a big red ball in the park and she was very happy".split()
+        prompts = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(4)]
+        fillers = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(4)]
+        with RouterProcess("vllm", urls, "kv_aware", [s for _, s in replicas], model=MODEL) as router:
+            for i, prompt in enumerate(prompts):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                httpx.post(f"{urls[i % 2]}/v1/completions", json=body, timeout=30).raise_for_status()
+            for i, filler in enumerate(fillers):  # push the prompts out of both pools, into the tiers
+                body = {"model": MODEL, "prompt": filler, "max_tokens": 1}
+                httpx.post(f"{urls[i % 2]}/v1/completions", json=body, timeout=30).raise_for_status()
+            time.sleep(_DELIVERED_S)
+            for prompt in prompts:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                usage = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30).json()["usage"]
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 32, usage
+        loaded = sum(server.metrics()["dolmus:kv_offload_loaded_tokens_total"] for server, _ in replicas)
+        assert loaded >= 4 * 32  # the hits came from the tiers, not from the pools
+    finally:
+        for server, _ in replicas:
+            server.stop()
