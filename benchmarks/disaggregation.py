@@ -114,7 +114,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--long-every", type=float, default=12)
     args = parser.parse_args()
@@ -139,7 +141,9 @@ def main() -> None:
     with _pinned(set(cores[:half])):
         prefill = ServerProcess(*serve, *threads, "--kv-transfer-config", producer)
     with _pinned(set(cores[half:])):
-        decode = ServerProcess(*serve, *threads, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"}))
+        decode = ServerProcess(
+            *serve, *threads, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"})
+        )
     try:
         with RouterProcess("vllm", [prefill.url], "round_robin", decode_urls=[decode.url]) as router:
             with CpuPressure() as pressure:
@@ -148,11 +152,14 @@ def main() -> None:
     finally:
         prefill.stop()
         decode.stop()
-    print(f"\n{'setup':<16}{'ITL p50 ms':>12}{'ITL p99 ms':>12}{'long TTFT p50 s':>17}{'p99 s':>8}{'tok/s':>8}")
+    print(
+        f"\n{'setup':<16}{'ITL p50 ms':>12}{'ITL p99 ms':>12}{'long TTFT p50 s':>17}{'p99 s':>8}{'tok/s':>8}"
+    )
     for name, r in results.items():
         print(
             f"{name:<16}{_pct(r['itl'], 0.5) * 1e3:>12.1f}{_pct(r['itl'], 0.99) * 1e3:>12.1f}"
-            f"{statistics.median(r['ttft_long']):>17.2f}{_pct(r['ttft_long'], 0.99):>8.2f}{r['tok_s'][0]:>8.1f}"
+            f"{statistics.median(r['ttft_long']):>17.2f}{_pct(r['ttft_long'], 0.99):>8.2f}"
+            f"{r['tok_s'][0]:>8.1f}"
         )
     c, d = results["colocated"], results["disaggregated"]
     print(

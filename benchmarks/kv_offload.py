@@ -60,7 +60,9 @@ def _drop_page_cache(folder: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -99,7 +101,9 @@ def main() -> None:
         flag = "  (disturbed)" if pressure.share > 0.05 else ""
         print(f"round {r}: cpu pressure {pressure.share:.1%}{flag}")
     stats = tiered.engine.stats()
-    print(f"tier: {stats.kv_offload_loaded_tokens} tokens loaded, {stats.kv_offload_failed_loads} failed loads")
+    print(
+        f"tier: {stats.kv_offload_loaded_tokens} tokens loaded, {stats.kv_offload_failed_loads} failed loads"
+    )
     base = statistics.median(times["recompute"])
     print(f"\n{'TTFT after eviction':<24}{'median s':>10}{'vs recompute':>14}")
     for name, values in times.items():

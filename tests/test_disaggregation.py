@@ -29,7 +29,9 @@ def _prompts() -> list[list[int]]:
 
 
 def _producer(model: Path, port: int) -> LLM:
-    return LLM(model=str(model), dtype="float32", kv_transfer_config={"kv_role": "kv_producer", "kv_port": port})
+    return LLM(
+        model=str(model), dtype="float32", kv_transfer_config={"kv_role": "kv_producer", "kv_port": port}
+    )
 
 
 def test_prefill_then_decode_gives_one_engines_tokens(llama_dir: Path) -> None:
@@ -76,7 +78,9 @@ def test_recompute_policy_and_a_prefill_worker_that_forgot(llama_dir: Path) -> N
     prefill = _producer(llama_dir, port)
     prompt = list(range(5, 90))
     expected = run_tokens(LLM(model=str(llama_dir), dtype="float32"), [prompt], greedy(8))[0]
-    first = prefill.generate([list(range(100, 185))], greedy(1, kv_transfer_params={"do_remote_decode": True}))
+    first = prefill.generate(
+        [list(range(100, 185))], greedy(1, kv_transfer_params={"do_remote_decode": True})
+    )
     params = first[0].kv_transfer_params  # names a worker that never saw `prompt`
     decode = LLM(
         model=str(llama_dir),
@@ -135,7 +139,10 @@ def test_vllm_router_drives_prefill_and_decode(pd_pair) -> None:
         )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         alone = direct.chat.completions.create(
-            model="stories260k", messages=[{"role": "user", "content": _story(9)}], max_tokens=12, temperature=0
+            model="stories260k",
+            messages=[{"role": "user", "content": _story(9)}],
+            max_tokens=12,
+            temperature=0,
         )
         assert text == alone.choices[0].message.content
     assert decode.metrics()["dolmus:kv_transfer_loaded_tokens_total"] > 0

@@ -293,7 +293,8 @@ def test_vllm_router_kv_aware_credits_blocks_in_the_offload_tier() -> None:
     try:
         for _ in range(2):
             pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-            events = {"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay, "bind": True}
+            events = {"enable_kv_cache_events": True, "bind": True, "endpoint": pub}
+            events["replay_endpoint"] = replay
             server = RemoteServer(
                 "--kv-cache-memory", str(24 * BLOCK_BYTES), "--max-num-seqs", "2",
                 "--kv-offload", "cpu", "--kv-offload-size", "0.05",
