@@ -393,6 +393,16 @@ class EngineConfig:
     def kv_offload_tier(self) -> tuple[str, Path | None] | None:
         return parse_kv_offload(self.kv_offload)
 
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """kv_transfer_config as its type (a dict was converted in __post_init__)."""
+        assert self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KVTransferConfig)
+        return self.kv_transfer_config
+
+    @property
+    def uses_kv_connector(self) -> bool:
+        return self.kv_offload is not None or self.kv_transfer_config is not None
+
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:

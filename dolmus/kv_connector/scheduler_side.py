@@ -337,11 +337,9 @@ def make_scheduler_connector(
     config: EngineConfig, kv: KVCacheManager, block_bytes: int, inventory: list[bytes], world_size: int
 ) -> KVConnectorScheduler | None:
     """`block_bytes`: one block on one rank; `inventory`: what a disk tier held at start."""
-    tier_spec = config.kv_offload_tier
-    transfer = config.kv_transfer_config
-    assert transfer is None or isinstance(transfer, KVTransferConfig)
-    if tier_spec is None and transfer is None:
+    if not config.uses_kv_connector:
         return None
+    tier_spec, transfer = config.kv_offload_tier, config.kv_transfer
     per_block = max(block_bytes * world_size, 1)
     tier = medium = None
     if tier_spec is not None:

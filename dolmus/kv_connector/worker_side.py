@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dolmus.config import EngineConfig, KVTransferConfig
+from dolmus.config import EngineConfig
 from dolmus.distributed.collectives import agree_on_min_each
 from dolmus.distributed.parallel_config import ParallelConfig
 from dolmus.kv_connector.block_io import BlockIO
@@ -146,11 +146,9 @@ def make_worker_connector(
     parallel: ParallelConfig,
     pools: Sequence[PagedKV],
 ) -> KVConnectorWorker | None:
-    tier_spec = config.kv_offload_tier
-    transfer = config.kv_transfer_config
-    assert transfer is None or isinstance(transfer, KVTransferConfig)
-    if tier_spec is None and transfer is None:
+    if not config.uses_kv_connector:
         return None
+    tier_spec, transfer = config.kv_offload_tier, config.kv_transfer
     first = pools[0]
     layout = KVLayout(
         model=model_fingerprint(model_path),
