@@ -9,17 +9,14 @@ own moving acceptance rate and the step costs the engine measured (spec/policy.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dolmus.config import SpeculativeConfig
 from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.request import ScheduledRequest
 from dolmus.engine.tier_book import TierBook
 from dolmus.spec.policy import StepCosts, draft_length
 from dolmus.spec.proposer import Proposer, make_proposer
 from dolmus.structured.backend import GrammarState
-
-if TYPE_CHECKING:
-    from dolmus.engine.scheduler import ScheduledRequest
 
 # Weight of the latest window in a request's moving average of its drafts' acceptance (the
 # chance a draft is accepted when the ones before it were): requests whose drafts keep

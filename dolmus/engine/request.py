@@ -158,3 +158,18 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+@dataclass
+class ScheduledRequest:
+    """A request's share of one step: the tokens it computes, its drafts among them."""
+
+    request: Request
+    num_new_tokens: int  # drafts included
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after its last one
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so this step yields its next token(s)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - len(self.drafts) == r.num_tokens

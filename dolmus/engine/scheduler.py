@@ -23,26 +23,13 @@ from dataclasses import dataclass, field
 from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.draft_planner import DraftPlanner, SpecStats
 from dolmus.engine.kv_cache import KVCacheManager
-from dolmus.engine.request import Request, RequestStatus
+from dolmus.engine.request import Request, RequestStatus, ScheduledRequest
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, LoadOutcome
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # drafts included
-    drafts: list[int] = field(default_factory=list)  # speculative tokens after its last one
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so this step yields its next token(s)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - len(self.drafts) == r.num_tokens
-
 
 @dataclass
 class SchedulerOutput:
