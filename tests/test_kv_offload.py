@@ -11,9 +11,9 @@ import torch
 
 from dolmus import LLM
 from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks
+from dolmus.engine.kv_transfers import KVConnectorScheduler, TierIndex
 from dolmus.engine.request import Request
 from dolmus.kv_connector.block_io import BlockIO
-from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, TierIndex
 from dolmus.kv_connector.stores import DiskStore, MemoryStore
 from dolmus.runtime.attention.kv_store import make_kv_store
 from dolmus.sampling_params import SamplingParams

@@ -23,10 +23,10 @@ from dolmus.engine.admission import AdmissionControl, RequestRefused
 from dolmus.engine.detokenizer import IncrementalDetokenizer
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_events import make_publisher
+from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.executor import Executor, WorkerDiedError, make_executor
-from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, make_scheduler_connector
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf

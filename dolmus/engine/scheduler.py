@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.draft_planner import DraftPlanner, SpecStats
 from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.kv_transfers import KVConnectorScheduler, LoadOutcome
 from dolmus.engine.request import Request, RequestStatus, ScheduledRequest
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
-from dolmus.kv_connector.scheduler_side import KVConnectorScheduler, LoadOutcome
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,19 @@ block that comes back from a store is exactly the block that left.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from dolmus.runtime.attention.kv_store import PagedKV
+
+class KVPool(Protocol):
+    """What this module reads of a layer's paged KV store (runtime/attention/kv_store.py)."""
+
+    data: torch.Tensor  # [2, slots, heads, dim]
+    block_size: int
 
 
-def _parts(pool: PagedKV) -> list[torch.Tensor]:
+def _parts(pool: KVPool) -> list[torch.Tensor]:
     """The pool's tensors that hold per-slot state, each viewed [2, num_blocks, per_block]."""
     parts = [pool.data]
     scale = getattr(pool, "scale", None)
@@ -28,7 +34,7 @@ def _parts(pool: PagedKV) -> list[torch.Tensor]:
 
 
 class BlockIO:
-    def __init__(self, pools: Sequence[PagedKV]) -> None:
+    def __init__(self, pools: Sequence[KVPool]) -> None:
         self.parts = [p for pool in pools for p in _parts(pool)]
         # bytes of one block in each part (keys and values)
         self.widths = [2 * p.shape[2] * p.element_size() for p in self.parts]

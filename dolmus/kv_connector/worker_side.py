@@ -21,11 +21,10 @@ import torch
 from dolmus.config import EngineConfig
 from dolmus.distributed.collectives import agree_on_min_each
 from dolmus.distributed.parallel_config import ParallelConfig
-from dolmus.kv_connector.block_io import BlockIO
+from dolmus.kv_connector.block_io import BlockIO, KVPool
 from dolmus.kv_connector.keys import KVLayout, model_fingerprint
 from dolmus.kv_connector.stores import BlockStore, DiskStore, MemoryStore
 from dolmus.kv_connector.transfer import BlockServer, TransferError, fetch_blocks
-from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.step import BlockLoad, KVTransfer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class KVConnectorWorker:
     def __init__(
         self,
         layout: KVLayout,
-        pools: Sequence[PagedKV],
+        pools: Sequence[KVPool],
         parallel: ParallelConfig,
         device: torch.device,
         tier: BlockStore | None = None,
@@ -144,7 +143,7 @@ def make_worker_connector(
     dtype: torch.dtype,
     device: torch.device,
     parallel: ParallelConfig,
-    pools: Sequence[PagedKV],
+    pools: Sequence[KVPool],
 ) -> KVConnectorWorker | None:
     if not config.uses_kv_connector:
         return None
