@@ -331,8 +331,8 @@ def test_inference_pool_selects_dolmus_and_its_picker() -> None:
 
 def _rendered_metrics() -> dict[str, str]:
     """The metric families our /metrics renders, by name, with their types."""
-    from dolmus.engine.engine import EngineStats
     from dolmus.engine.metrics import EngineMetrics
+    from dolmus.engine.stats import EngineStats
 
     stats = EngineStats(
         num_running=1, num_waiting=2, num_preemptions=0, kv_blocks_total=10, kv_blocks_used=3,

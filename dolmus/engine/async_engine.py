@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dolmus.engine.engine import Engine, EngineStats, RequestSummary
+from dolmus.engine.engine import Engine
+from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from dolmus.engine.engine import EngineStats, RequestSummary
 from dolmus.engine.output_delta import OutputDelta
+from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.sampling_params import SamplingParams
 
 

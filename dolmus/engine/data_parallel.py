@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from dolmus.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from dolmus.engine.core_client import EngineCoreClient, FrontEnd, OutputHook
-from dolmus.engine.engine import EngineStats, RequestSummary
 from dolmus.engine.replica_placement import ReplicaPlacement
+from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
+from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.executor import Executor, WorkerDiedError, make_executor
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime import native
@@ -47,71 +48,6 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises several types for a bad folder
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc})") from exc
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int  # total since start
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    prefix_cache_hit_rate: float
-    prompt_tokens: int  # prompt tokens of requests that got their first token (cached included)
-    generation_tokens: int
-    num_preempted_waiting: int = 0  # preempted requests waiting to be recomputed
-    structured_requests: int = 0  # requests with structured output since start
-    weight_bytes: int = 0  # model weights as stored for compute
-    kv_bytes_per_token: int = 0  # all layers
-    kv_capacity_tokens: int = 0  # tokens the KV pool holds
-    # Wall time spent in steps, split between prompt and output work by each step's token mix;
-    # the server turns these into cost per token.
-    busy_prefill_seconds: float = 0.0
-    busy_decode_seconds: float = 0.0
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    # Tier rules at work (since start): refused by SLO-aware admission, demoted by it,
-    # refused after waiting longer than their tier's max_queue_wait.
-    admission_refused: int = 0
-    admission_demoted: int = 0
-    queue_timeouts: int = 0
-    # Speculative decoding since start: request-steps with drafts, drafted and accepted
-    # tokens, and acceptances at each draft position (index 0: the first draft).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    spec_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> plain decodes instead
-    # KV connector since start: tokens computed again after preemptions; offload tier blocks
-    # saved, tokens loaded instead of computed, entries found bad; disaggregation's tokens
-    # fetched from prefill workers, failed fetches, blocks exported to decode workers.
-    preemption_recomputed_tokens: int = 0
-    kv_offload_saved_blocks: int = 0
-    kv_offload_loaded_tokens: int = 0
-    kv_offload_failed_loads: int = 0
-    kv_transfer_loaded_tokens: int = 0
-    kv_transfer_failed_loads: int = 0
-    kv_transfer_exported_blocks: int = 0
-
-
-@dataclass
-class RequestSummary:
-    """One sequence in the engine as an operator sees it (no prompt text): for the server's
-    running-requests list."""
-
-    request_id: str
-    state: str  # "running" | "waiting" | "preempted" (waiting to be recomputed)
-    priority: int
-    prompt_tokens: int
-    output_tokens: int
-    computed_tokens: int  # of prompt + output, KV written (prefill progress)
-    cached_tokens: int  # prompt tokens found in the prefix cache (0 until admitted)
-    blocks: int  # KV blocks held
-    age_s: float  # since arrival
-    num_preemptions: int
 
 
 @dataclass

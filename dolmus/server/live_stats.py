@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dolmus.engine.engine import EngineStats
 from dolmus.engine.metrics import cost_per_token
+from dolmus.engine.stats import EngineStats
 from dolmus.outputs import RequestOutput
 
 SAMPLE_INTERVAL_S = 1.0

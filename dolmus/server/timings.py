@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dolmus.engine.engine import EngineStats
 from dolmus.engine.metrics import cost_per_token
+from dolmus.engine.stats import EngineStats
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
