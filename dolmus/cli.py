@@ -205,9 +205,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-offload",
         default=d.kv_offload,
         help="a KV tier below the cache that keeps evicted prefixes and preempted requests' work: "
-        "cpu (host RAM) or disk:PATH (survives restarts)",
+        "cpu (host RAM), disk:PATH (survives restarts) or mooncake:HOST:PORT (a Mooncake Store shared "
+        "by every engine that names this master; name it by an address the other hosts reach)",
     )
-    g.add_argument("--kv-offload-size", type=float, default=d.kv_offload_size, help="the tier's size in GiB")
+    g.add_argument(
+        "--kv-offload-size",
+        type=float,
+        default=d.kv_offload_size,
+        help="the tier's size in GiB (mooncake: the host memory this engine adds to the store)",
+    )
     g.add_argument(
         "--kv-transfer-config",
         type=_kv_transfer_config,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -282,15 +282,27 @@ class KVTransferConfig:
         return from_known_keys(cls, raw, "kv_transfer_config")
 
 
-def parse_kv_offload(value: str | None) -> tuple[str, Path | None] | None:
-    """`cpu` or `disk:PATH` as (medium, path); None: no offload tier."""
+class OffloadTier(NamedTuple):
+    """A parsed `kv_offload`: the kind, and where (a disk tier's folder, a shared store's master)."""
+
+    kind: str  # cpu | disk | mooncake
+    path: Path | None = None  # disk
+    master: str | None = None  # mooncake: HOST:PORT of the Mooncake master
+
+
+def parse_kv_offload(value: str | None) -> OffloadTier | None:
+    """`cpu`, `disk:PATH` or `mooncake:HOST:PORT`; None: no offload tier."""
     if value is None:
         return None
     if value == "cpu":
-        return ("cpu", None)
+        return OffloadTier("cpu")
     if value.startswith("disk:") and len(value) > len("disk:"):
-        return ("disk", Path(value[len("disk:") :]).expanduser())
-    raise ValueError(f"kv_offload must be cpu or disk:PATH, got {value!r}")
+        return OffloadTier("disk", path=Path(value[len("disk:") :]).expanduser())
+    if value.startswith("mooncake:"):
+        host, _, port = value[len("mooncake:") :].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return OffloadTier("mooncake", master=f"{host}:{int(port)}")
+    raise ValueError(f"kv_offload must be cpu, disk:PATH or mooncake:HOST:PORT, got {value!r}")
 
 
 @dataclass
@@ -358,7 +370,9 @@ class EngineConfig:
     # KV cache events for cache-aware routers (a KVEventsConfig or a dict of vLLM's keys); None: off.
     kv_events_config: KVEventsConfig | dict[str, Any] | None = None
     # A tier below the KV pool that keeps evicted prefixes and preempted requests' work:
-    # cpu (host RAM) | disk:PATH (files that outlive the process); None: off. Its size in GiB.
+    # cpu (host RAM) | disk:PATH (files that outlive the process) | mooncake:HOST:PORT (a Mooncake
+    # Store every engine naming that master shares); None: off. Its size in GiB (mooncake: the
+    # host memory this engine's ranks contribute to the store).
     kv_offload: str | None = None
     kv_offload_size: float = 4.0
     # Disaggregated prefill/decode (a KVTransferConfig or a dict of vLLM's keys); None: off.
@@ -390,7 +404,7 @@ class EngineConfig:
             raise ValueError(f"kv_offload_size must be positive GiB, got {self.kv_offload_size}")
 
     @property
-    def kv_offload_tier(self) -> tuple[str, Path | None] | None:
+    def kv_offload_tier(self) -> OffloadTier | None:
         return parse_kv_offload(self.kv_offload)
 
     @property

@@ -100,9 +100,20 @@ class Engine:
             num_blocks, config.block_size, config.enable_prefix_caching, self._kv_events is not None
         )
         info = self.executor.info
-        self.connector: KVConnectorScheduler | None = make_scheduler_connector(
-            config, self.kv, info.kv_block_bytes, info.kv_tier_inventory, config.tensor_parallel_size
-        )
+        try:  # nor a shared KV store that does not answer
+            self.connector: KVConnectorScheduler | None = make_scheduler_connector(
+                config,
+                self.kv,
+                info.kv_block_bytes,
+                info.kv_tier_inventory,
+                config.tensor_parallel_size,
+                info.kv_layout_key,
+            )
+        except Exception:
+            self.executor.shutdown()
+            if self._kv_events is not None:
+                self._kv_events.close()
+            raise
         budget = config.resolve_batched_tokens(self.device, info.step_tokens)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
@@ -153,6 +164,8 @@ class Engine:
         self.executor.shutdown()
         if self._kv_events is not None:
             self._kv_events.close()
+        if self.connector is not None:
+            self.connector.close()
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings

@@ -1,11 +1,12 @@
 """The scheduler side of the KV connector: what to load, save and export, decided per step.
 
 It keeps the index of what the offload tier holds (an LRU bounded by the tier's size, the one
-place that decides what the tier evicts) and turns the scheduler's events into a KVTransfer for
-the step plan:
+place that decides what the tier evicts; a store several engines share answers for itself) and
+turns the scheduler's events into a KVTransfer for the step plan:
 
 - a block evicted from the prefix cache is saved unless the tier has it (write-behind); with a
-  disk tier every block is also saved once its KV is written, so a restart finds it;
+  disk tier every block is also saved once its KV is written, so a restart finds it, and so is
+  it with a shared store, so other engines find it while this one still holds it;
 - a preempted request's computed blocks are saved, the partly filled last one included (keyed
   by its tokens, like a full block), so it resumes where it stopped instead of recomputing;
 - an admitted request whose next blocks the tier holds (after its prefix-cache hits) loads
@@ -24,12 +25,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dolmus.config import EngineConfig, KVTransferConfig
-from dolmus.engine.kv_cache import CachedBlock, KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
+from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
 from dolmus.engine.request import Request
+from dolmus.kv_connector.mooncake_store import MooncakeLookup
 from dolmus.kv_connector.stores import MEDIUM_CPU, MEDIUM_STORAGE
 from dolmus.step import BlockLoad, KVTransfer
 
@@ -82,6 +85,54 @@ class TierIndex:
     def remove(self, key: bytes) -> None:
         self._lru.pop(key, None)
 
+    def close(self) -> None:
+        """Nothing to let go: the store itself is the worker side's."""
+
+
+class SharedLookup(Protocol):
+    def held(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+class SharedStoreIndex:
+    """TierIndex's questions, answered by a store that several engines share (Mooncake).
+
+    Other engines add to it and it evicts by itself, so a local index would be wrong both ways;
+    every question goes to the store instead (`lookup`: rank 0's entries; a rank missing its
+    share makes the load fail and the engine compute). It decides nothing: `add` pushes nothing
+    out, `touch` and `remove` have nothing to update."""
+
+    def __init__(self, lookup: SharedLookup) -> None:
+        self.lookup = lookup
+        self.overflow: list[bytes] = []  # nothing held past a capacity: it has none here
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.lookup.held([key])[0]
+
+    def __len__(self) -> int:
+        return 0  # unknown: no engine keeps an inventory of a shared store
+
+    def held_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of `keys`, in one question."""
+        return self.lookup.held(keys)
+
+    def held_prefix(self, keys: list[bytes]) -> int:
+        held = self.lookup.held(keys)
+        return held.index(False) if False in held else len(held)
+
+    def touch(self, key: bytes) -> None:
+        pass  # the store keeps its own recency
+
+    def add(self, key: bytes) -> list[bytes]:
+        return []  # the store makes room by itself
+
+    def remove(self, key: bytes) -> None:
+        pass  # the worker side deletes the bad entry; nothing is kept here
+
+    def close(self) -> None:
+        self.lookup.close()
+
 
 @dataclass
 class LoadMatch:
@@ -126,7 +177,7 @@ class KVConnectorScheduler:
     def __init__(
         self,
         kv: KVCacheManager,
-        tier: TierIndex | None,
+        tier: TierIndex | SharedStoreIndex | None,
         tier_medium: str | None,
         write_through: bool,
         transfer: KVTransferConfig | None,
@@ -137,6 +188,9 @@ class KVConnectorScheduler:
         self.bs = kv.block_size
         self.tier = tier
         self.tier_medium = tier_medium
+        # KV events tell routers what this engine's tier holds. A shared store's entries are every
+        # engine's and leave it unseen, so announcing them would grow a router's index forever.
+        self._tier_events = kv.events is not None and isinstance(tier, TierIndex)
         self.transfer = transfer
         self.outbox = TierIndex(outbox_capacity) if transfer is not None and transfer.produces else None
         self.world_size = world_size
@@ -206,22 +260,31 @@ class KVConnectorScheduler:
 
     # -- what to save -------------------------------------------------------------------
 
-    def _save(self, key: bytes, block_id: int, parent: bytes | None, tokens: list[int]) -> None:
-        assert self.tier is not None
-        if key in self.tier:
-            self.tier.touch(key)
-            return
+    def _save(self, blocks: list[tuple[bytes, int, bytes | None, list[int]]]) -> None:
+        """Save what the tier lacks of `blocks` (key, block id, parent hash, tokens). A shared
+        store is asked once about all of them, not once per block across the network."""
+        tier = self.tier
+        assert tier is not None
+        keys = [block[0] for block in blocks]
+        held = dict(zip(keys, tier.held_each(keys))) if isinstance(tier, SharedStoreIndex) else None
         plan = self._plan
-        plan.save_hashes.append(key)
-        plan.save_block_ids.append(block_id)
-        dropped = self.tier.add(key)
-        plan.drop_hashes.extend(dropped)
-        self.stats.tier_saved_blocks += 1
-        if self.kv.events is not None:
-            if dropped:
-                self.kv.events.append(RemovedBlocks(dropped, self.tier_medium))
-            if tokens:
-                self.kv.events.append(StoredBlocks([key], parent, list(tokens), self.tier_medium))
+        for key, block_id, parent, tokens in blocks:
+            if held[key] if held is not None else key in tier:
+                tier.touch(key)
+                continue
+            if held is not None:
+                held[key] = True  # the same block twice in one step (evicted and committed)
+            plan.save_hashes.append(key)
+            plan.save_block_ids.append(block_id)
+            dropped = tier.add(key)
+            plan.drop_hashes.extend(dropped)
+            self.stats.tier_saved_blocks += 1
+            if self._tier_events:
+                assert self.kv.events is not None
+                if dropped:
+                    self.kv.events.append(RemovedBlocks(dropped, self.tier_medium))
+                if tokens:
+                    self.kv.events.append(StoredBlocks([key], parent, list(tokens), self.tier_medium))
 
     def on_preempt(self, request: Request) -> None:
         """Save what the request computed before its blocks go (called before they are freed)."""
@@ -231,14 +294,16 @@ class KVConnectorScheduler:
         blocks = self.kv.block_ids(request.request_id)
         computed = request.num_computed_tokens
         num_full = min(computed // self.bs, len(request.block_hashes))
-        keep_tokens = self.kv.events is not None
+        keep_tokens = self._tier_events
+        saves = []
         for i in range(num_full):
             tokens = request.all_token_ids[i * self.bs : (i + 1) * self.bs] if keep_tokens else []
             parent = request.block_hashes[i - 1] if i else None
-            self._save(request.block_hashes[i], blocks[i], parent, tokens)
+            saves.append((request.block_hashes[i], blocks[i], parent, tokens))
         partial = self._partial_key(request, num_full, computed)
         if partial is not None and num_full < len(blocks):
-            self._save(partial[0], blocks[num_full], None, [])  # not a block routers can match
+            saves.append((partial[0], blocks[num_full], None, []))  # not a block routers can match
+        self._save(saves)
 
     def on_scheduled(self, scheduled: list[tuple[Request, bool]]) -> None:
         """A prefill worker exports a request's prompt blocks in the step that completes its
@@ -286,15 +351,13 @@ class KVConnectorScheduler:
         if self.tier is not None:
             evicted = self.kv.pool.evicted or []
             committed = self.kv.committed or []
-            for block in (*evicted, *committed):
-                self._save_cached(block)
+            blocks = (*evicted, *committed)
+            if blocks:
+                self._save([(b.block_hash, b.block_id, b.parent_hash, b.token_ids) for b in blocks])
             evicted.clear()
             committed.clear()
         plan, self._plan = self._plan, KVTransfer()
         return None if plan.empty else plan
-
-    def _save_cached(self, block: CachedBlock) -> None:
-        self._save(block.block_hash, block.block_id, block.parent_hash, block.token_ids)
 
     @property
     def has_pending(self) -> bool:
@@ -321,7 +384,8 @@ class KVConnectorScheduler:
                     bad = match.hashes[good]
                     self.tier.remove(bad)
                     self._plan.drop_hashes.append(bad)
-                    if self.kv.events is not None:
+                    if self._tier_events:
+                        assert self.kv.events is not None
                         self.kv.events.append(RemovedBlocks([bad], self.tier_medium))
             fatal = failed and bool(match.source) and self.transfer is not None
             fatal = fatal and self.transfer.kv_load_failure_policy == "fail"  # type: ignore[union-attr]
@@ -332,23 +396,44 @@ class KVConnectorScheduler:
         """The request left while loading (aborted): its report will be ignored."""
         self._loads.pop(request.request_id, None)
 
+    def close(self) -> None:
+        """Let go of the tier's index (a shared store's client)."""
+        if self.tier is not None:
+            self.tier.close()
+
 
 def make_scheduler_connector(
-    config: EngineConfig, kv: KVCacheManager, block_bytes: int, inventory: list[bytes], world_size: int
+    config: EngineConfig,
+    kv: KVCacheManager,
+    block_bytes: int,
+    inventory: list[bytes],
+    world_size: int,
+    layout_key: str = "",
 ) -> KVConnectorScheduler | None:
-    """`block_bytes`: one block on one rank; `inventory`: what a disk tier held at start."""
+    """`block_bytes`: one block on one rank; `inventory`: what a disk tier held at start;
+    `layout_key`: what rank 0 files its entries under (a shared store is asked about those)."""
     if not config.uses_kv_connector:
         return None
     tier_spec, transfer = config.kv_offload_tier, config.kv_transfer
     per_block = max(block_bytes * world_size, 1)
-    tier = medium = None
-    if tier_spec is not None:
+    tier: TierIndex | SharedStoreIndex | None = None
+    medium = None
+    if tier_spec is not None and tier_spec.kind == "mooncake":
+        assert tier_spec.master is not None and layout_key
+        tier = SharedStoreIndex(MooncakeLookup(tier_spec.master, layout_key))
+        medium = MEDIUM_CPU
+        logger.info(
+            "KV offload tier: the Mooncake store at %s, shared; this engine adds %.2f GiB on each host",
+            tier_spec.master,
+            config.kv_offload_size,
+        )
+    elif tier_spec is not None:
         capacity = max(int(config.kv_offload_size * _GIB) // per_block, 1)
         tier = TierIndex(capacity, inventory)
-        medium = MEDIUM_CPU if tier_spec[0] == "cpu" else MEDIUM_STORAGE
+        medium = MEDIUM_CPU if tier_spec.kind == "cpu" else MEDIUM_STORAGE
         logger.info(
             "KV offload tier: %s, %d blocks (%.1f GiB)%s",
-            tier_spec[0] if tier_spec[1] is None else f"disk at {tier_spec[1]}",
+            tier_spec.kind if tier_spec.path is None else f"disk at {tier_spec.path}",
             capacity,
             config.kv_offload_size,
             f", {len(tier)} found from earlier runs" if inventory else "",
@@ -356,5 +441,8 @@ def make_scheduler_connector(
     outbox = 0
     if transfer is not None and transfer.produces:
         outbox = max(int(transfer.kv_buffer_size) // per_block, 1)
-    write_through = tier_spec is not None and tier_spec[0] == "disk"
+    # Write-through (every block saved once its KV is written, not only when evicted or
+    # preempted): a disk tier so that a restart finds it; a shared store so that other engines
+    # hit a prefix this one keeps hot in its own cache and so might never evict.
+    write_through = tier_spec is not None and tier_spec.kind in ("disk", "mooncake")
     return KVConnectorScheduler(kv, tier, medium, write_through, transfer, outbox, world_size)

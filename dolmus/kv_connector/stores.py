@@ -4,7 +4,8 @@ A store holds rows of block bytes (block_io.py) under 32-byte keys (chained bloc
 and does what the scheduler side tells it: it never evicts on its own, because the scheduler
 side keeps the index of what is stored and must never believe in an entry that is gone
 without a load noticing. A load that finds an entry missing or corrupt gets None and the
-request computes those tokens instead.
+request computes those tokens instead. (A store several engines share, mooncake_store.py, is the
+exception: it evicts by itself, and the scheduler side asks it what it holds.)
 
 The disk store writes behind: `put` keeps the row in memory and returns; a thread writes the
 file (to a temporary name, then renamed, so a crash leaves no half file under a real name) and
@@ -21,6 +22,7 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,6 +52,15 @@ class BlockStore(ABC):
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
+
+    def put_many(self, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> None:
+        """A step's saves at once: a store across a network puts them in one round trip."""
+        for key, row in zip(keys, rows):
+            self.put(key, row)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """A load's entries at once (None where missing or corrupt), for the same reason."""
+        return [self.get(key) for key in keys]
 
     def keys(self) -> list[bytes]:
         """What the store held when it opened, least recently written first."""

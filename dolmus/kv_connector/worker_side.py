@@ -23,6 +23,7 @@ from dolmus.distributed.collectives import agree_on_min_each
 from dolmus.distributed.parallel_config import ParallelConfig
 from dolmus.kv_connector.block_io import BlockIO, KVPool
 from dolmus.kv_connector.keys import KVLayout, model_fingerprint
+from dolmus.kv_connector.mooncake_store import MooncakeStore
 from dolmus.kv_connector.stores import BlockStore, DiskStore, MemoryStore
 from dolmus.kv_connector.transfer import BlockServer, TransferError, fetch_blocks
 from dolmus.step import BlockLoad, KVTransfer
@@ -71,8 +72,8 @@ class KVConnectorWorker:
             return
         if transfer.save_hashes and self.tier is not None:
             rows = self.io.gather(transfer.save_block_ids)
-            for key, row in zip(transfer.save_hashes, rows):
-                self.tier.put(key, row.clone())  # its own memory: a row of `rows` keeps all alive
+            # each row its own memory: a row of `rows` would keep all of them alive
+            self.tier.put_many(transfer.save_hashes, [row.clone() for row in rows])
         for key in transfer.drop_hashes:
             if self.tier is not None:
                 self.tier.delete(key)
@@ -98,7 +99,7 @@ class KVConnectorWorker:
                 return 0
         else:
             assert self.tier is not None, "a tier load without a tier"
-            rows = [self.tier.get(key) for key in load.block_hashes]
+            rows = self.tier.get_many(load.block_hashes)
         good = 0
         for row in rows:
             if row is None or row.numel() != self.io.block_bytes:
@@ -162,9 +163,16 @@ def make_worker_connector(
         block_bytes=BlockIO(pools).block_bytes,
     )
     tier: BlockStore | None = None
-    if tier_spec is not None:
-        medium, path = tier_spec
-        tier = MemoryStore() if medium == "cpu" else DiskStore(path, layout.key)  # type: ignore[arg-type]
+    if tier_spec is not None and tier_spec.kind == "cpu":
+        tier = MemoryStore()
+    elif tier_spec is not None and tier_spec.kind == "disk":
+        tier = DiskStore(tier_spec.path, layout.key)  # type: ignore[arg-type]
+    elif tier_spec is not None:
+        assert tier_spec.master is not None
+        # the ranks on this host share the size the user gave this engine
+        ranks_here = config.tensor_parallel_size // config.nnodes
+        segment = int(config.kv_offload_size * (1 << 30)) // ranks_here
+        tier = MooncakeStore(tier_spec.master, layout.key, segment, layout.block_bytes)
     serve = None
     if transfer is not None and transfer.produces:
         serve = f"tcp://{_listen_host(transfer.kv_ip)}:{transfer.kv_port}"
