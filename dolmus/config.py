@@ -228,6 +228,8 @@ class KVEventsConfig:
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# our TCP transport, or Mooncake Store (vLLM's name for that connector) as the transfer medium
+KV_CONNECTORS = ("DolmusConnector", "MooncakeStoreConnector")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -236,11 +238,13 @@ class KVTransferConfig:
     """Disaggregated prefill/decode, with vLLM's keys (`kv_transfer_config={"kv_role": ...}`).
 
     A producer (prefill worker) keeps the KV of prompts asked for a remote decode in a bounded
-    outbox (`kv_buffer_size` bytes) that rank r serves on `kv_port + r`; a consumer (decode
-    worker) fetches it from the address the prefill response's `kv_transfer_params` name.
-    `kv_ip` is the address this engine tells its peers to reach it at."""
+    outbox (`kv_buffer_size` bytes): with DolmusConnector rank r serves it on `kv_port + r` and
+    `kv_ip` is the address peers are told to reach; with MooncakeStoreConnector the outbox is
+    the Mooncake store at `kv_connector_extra_config["master_server_address"]` (HOST:PORT), to
+    which the producer lends the bytes. A consumer (decode worker) fetches from what the prefill
+    response's `kv_transfer_params` name."""
 
-    kv_connector: str = "DolmusConnector"  # the only one here; vLLM's names are refused by name
+    kv_connector: str = "DolmusConnector"
     kv_role: str = "kv_both"
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
@@ -250,12 +254,18 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "fail"
     kv_transfer_timeout: float = 30.0  # seconds a fetch may take before the peer counts as gone
     engine_id: str | None = None  # named in kv_transfer_params; None: a random one
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kv_connector != "DolmusConnector":
+        if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(
                 f"kv_transfer_config: kv_connector {self.kv_connector!r} is not available here; "
-                "dolmus speaks its own transfer (DolmusConnector) behind vLLM's kv_transfer_params"
+                f"one of {', '.join(KV_CONNECTORS)} (behind vLLM's kv_transfer_params either way)"
+            )
+        if self.kv_connector == "MooncakeStoreConnector" and self.mooncake_master is None:
+            raise ValueError(
+                "kv_transfer_config: MooncakeStoreConnector needs kv_connector_extra_config "
+                '{"master_server_address": "HOST:PORT"}'
             )
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}")
@@ -268,6 +278,15 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: kv_port must be a TCP port, got {self.kv_port!r}")
         if self.kv_buffer_size <= 0 or self.kv_transfer_timeout <= 0:
             raise ValueError("kv_transfer_config: kv_buffer_size and kv_transfer_timeout must be positive")
+
+    @property
+    def mooncake_master(self) -> str | None:
+        """HOST:PORT of the Mooncake master the transfer goes through (None: our TCP transport)."""
+        if self.kv_connector != "MooncakeStoreConnector":
+            return None
+        master = self.kv_connector_extra_config.get("master_server_address")
+        host, _, port = str(master or "").rpartition(":")
+        return f"{host}:{int(port)}" if host and port.isdigit() else None
 
     @property
     def produces(self) -> bool:

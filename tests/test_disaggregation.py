@@ -97,6 +97,8 @@ def test_bad_transfer_params_are_refused(llama_dir: Path) -> None:
         SamplingParams(kv_transfer_params={"do_remote_prefill": True, "remote_port": 5})
     with pytest.raises(ValueError, match="kv_connector"):
         LLM(model=str(llama_dir), kv_transfer_config={"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="master_server_address"):
+        LLM(model=str(llama_dir), kv_transfer_config={"kv_connector": "MooncakeStoreConnector"})
 
 
 @pytest.fixture(scope="module")

@@ -193,3 +193,28 @@ def test_a_master_that_does_not_answer_is_a_clear_error(llama_dir: Path) -> None
     with pytest.raises(ValueError, match="no Mooncake master answers"):
         _llm(llama_dir, f"mooncake:127.0.0.1:{free_port()}", 64)
     assert time.monotonic() - started < 30  # not Mooncake's own minute and a half of retries
+
+
+def test_prefill_and_decode_through_the_mooncake_store(llama_dir: Path, master: str) -> None:
+    """MooncakeStoreConnector: the prefill worker's outbox is the shared store (it lends the
+    memory), the decode worker reads the prompt's blocks from it; tokens equal one engine's."""
+    extra = {"kv_connector_extra_config": {"master_server_address": master}}
+    producer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_producer", **extra}
+    consumer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_consumer", **extra}
+    prompts = _prompts(9, (5, 33, 100))
+    reference = run_tokens(_llm(llama_dir, None, 64), prompts, greedy(16))
+    prefill = _llm(llama_dir, None, 64, kv_transfer_config=producer)
+    decode = _llm(llama_dir, None, 64, kv_transfer_config=consumer)
+    try:
+        for prompt, expected in zip(prompts, reference):
+            first = prefill.generate([prompt], greedy(1, kv_transfer_params={"do_remote_decode": True}))[0]
+            params = first.kv_transfer_params
+            assert params is not None and params["kv_transport"] == "mooncake"
+            assert f"{params['remote_host']}:{params['remote_port']}" == master
+            out = decode.generate([prompt], greedy(16, kv_transfer_params=params))[0]
+            assert out.outputs[0].token_ids == expected
+            assert out.num_cached_tokens == len(prompt) - 1
+        assert decode.engine.stats().kv_transfer_failed_loads == 0
+    finally:
+        decode.engine.shutdown()
+        prefill.engine.shutdown()

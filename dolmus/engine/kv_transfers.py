@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from dolmus.config import EngineConfig, KVTransferConfig
 from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
 from dolmus.engine.request import Request
-from dolmus.kv_connector.mooncake_store import MooncakeLookup
+from dolmus.kv_connector.mooncake_store import MOONCAKE_SCHEME, MooncakeLookup
 from dolmus.kv_connector.stores import MEDIUM_CPU, MEDIUM_STORAGE
 from dolmus.step import BlockLoad, KVTransfer
 
@@ -226,7 +226,8 @@ class KVConnectorScheduler:
             return None
         params = remote_params(request)
         if params is not None and params.get("do_remote_prefill") and self.transfer is not None:
-            source = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
+            scheme = MOONCAKE_SCHEME if params.get("kv_transport") == "mooncake" else "tcp://"
+            source = f"{scheme}{params['remote_host']}:{int(params['remote_port'])}"
             hashes = request.block_hashes[num_local_blocks:max_full]
             tokens = len(hashes) * self.bs
             if num_local_blocks <= max_full:
@@ -333,14 +334,20 @@ class KVConnectorScheduler:
     def transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
         """What the prefill response carries for the decode worker (vLLM's NIXL keys, plus ours)."""
         assert self.transfer is not None
+        master = self.transfer.mooncake_master
+        if master is not None:  # the blocks wait in the Mooncake store: its master is the address
+            host, _, port = master.rpartition(":")
+            where: dict[str, Any] = {"remote_host": host, "remote_port": int(port)}
+            where["kv_transport"] = "mooncake"
+        else:
+            where = {"remote_host": self.transfer.kv_ip, "remote_port": self.transfer.kv_port}
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_block_ids": block_ids,
-            "remote_host": self.transfer.kv_ip,
-            "remote_port": self.transfer.kv_port,
+            **where,
             "tp_size": self.world_size,
         }
 

@@ -38,6 +38,7 @@ _CRC = struct.Struct("<I")
 _MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments ("Total size must be at least 16777216")
 _MIN_BUFFER = 64 << 20  # a client's transfer buffer: every value put or got passes through it
 _CONNECT_TIMEOUT = 5.0  # Mooncake's own setup retries a dead master for about 90 s
+MOONCAKE_SCHEME = "mooncake://"  # a load's source: the Mooncake store whose master follows
 _INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"
 
 

@@ -23,7 +23,7 @@ from dolmus.distributed.collectives import agree_on_min_each
 from dolmus.distributed.parallel_config import ParallelConfig
 from dolmus.kv_connector.block_io import BlockIO, KVPool
 from dolmus.kv_connector.keys import KVLayout, model_fingerprint
-from dolmus.kv_connector.mooncake_store import MooncakeStore
+from dolmus.kv_connector.mooncake_store import MOONCAKE_SCHEME, MooncakeStore
 from dolmus.kv_connector.stores import BlockStore, DiskStore, MemoryStore
 from dolmus.kv_connector.transfer import BlockServer, TransferError, fetch_blocks
 from dolmus.step import BlockLoad, KVTransfer
@@ -47,18 +47,24 @@ class KVConnectorWorker:
         tier: BlockStore | None = None,
         serve_address: str | None = None,
         transfer_timeout: float = 30.0,
+        transfer_store: BlockStore | None = None,
     ) -> None:
+        """`serve_address`: a prefill worker's outbox in memory, served over TCP there (rank 0's
+        address; rank r serves on port + r). `transfer_store`: a store both sides reach (Mooncake),
+        the outbox of a prefill worker and where a decode worker fetches from instead."""
         self.layout = layout
         self.io = BlockIO(pools)
         self.parallel = parallel
         self.device = device
         self.tier = tier
         self.transfer_timeout = transfer_timeout
-        self.outbox: MemoryStore | None = None
+        self.transfer_store = transfer_store
+        self.outbox: BlockStore | None = transfer_store
         self.server: BlockServer | None = None
         if serve_address is not None:
-            self.outbox = MemoryStore()
-            self.server = BlockServer(self.outbox, layout.key, rank_address(serve_address, parallel.tp_rank))
+            memory = MemoryStore()
+            self.outbox = memory
+            self.server = BlockServer(memory, layout.key, rank_address(serve_address, parallel.tp_rank))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._loading: list[tuple[BlockLoad, Future[int]]] = []
         self._exports: tuple[list[bytes], list[int]] = ([], [])
@@ -86,7 +92,16 @@ class KVConnectorWorker:
 
     def _load(self, load: BlockLoad) -> int:
         """Fill the load's blocks from the first on; how many it filled (stops at a gap)."""
-        if load.source:
+        if load.source.startswith(MOONCAKE_SCHEME):
+            if self.transfer_store is None:
+                logger.error(
+                    "KV transfer for %s: the prefill worker used Mooncake; this engine's "
+                    "kv_transfer_config names no Mooncake master",
+                    load.request_id,
+                )
+                return 0
+            rows = self.transfer_store.get_many(load.block_hashes)
+        elif load.source:
             try:
                 rows = fetch_blocks(
                     rank_address(load.source, self.parallel.tp_rank),
@@ -114,8 +129,7 @@ class KVConnectorWorker:
         keys, block_ids = self._exports
         if keys and self.outbox is not None:
             rows = self.io.gather(block_ids)
-            for key, row in zip(keys, rows):
-                self.outbox.put(key, row.clone())
+            self.outbox.put_many(keys, [row.clone() for row in rows])
         self._exports = ([], [])
         if not self._loading:
             return {}
@@ -132,8 +146,9 @@ class KVConnectorWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self.tier is not None:
-            self.tier.close()
+        for store in (self.tier, self.transfer_store):
+            if store is not None:
+                store.close()
         if self.server is not None:
             self.server.close()
 
@@ -162,6 +177,7 @@ def make_worker_connector(
         world_size=parallel.tp_size,
         block_bytes=BlockIO(pools).block_bytes,
     )
+    ranks_here = config.tensor_parallel_size // config.nnodes  # they share the sizes given
     tier: BlockStore | None = None
     if tier_spec is not None and tier_spec.kind == "cpu":
         tier = MemoryStore()
@@ -169,15 +185,17 @@ def make_worker_connector(
         tier = DiskStore(tier_spec.path, layout.key)  # type: ignore[arg-type]
     elif tier_spec is not None:
         assert tier_spec.master is not None
-        # the ranks on this host share the size the user gave this engine
-        ranks_here = config.tensor_parallel_size // config.nnodes
         segment = int(config.kv_offload_size * (1 << 30)) // ranks_here
         tier = MooncakeStore(tier_spec.master, layout.key, segment, layout.block_bytes)
-    serve = None
-    if transfer is not None and transfer.produces:
+    serve = shared = None
+    if transfer is not None and transfer.mooncake_master is not None:
+        # a prefill worker lends the store its outbox; a decode worker only reads (the least)
+        lent = int(transfer.kv_buffer_size) // ranks_here if transfer.produces else 0
+        shared = MooncakeStore(transfer.mooncake_master, layout.key, lent, layout.block_bytes)
+    elif transfer is not None and transfer.produces:
         serve = f"tcp://{_listen_host(transfer.kv_ip)}:{transfer.kv_port}"
     timeout = transfer.kv_transfer_timeout if transfer is not None else 30.0
-    return KVConnectorWorker(layout, pools, parallel, device, tier, serve, timeout)
+    return KVConnectorWorker(layout, pools, parallel, device, tier, serve, timeout, shared)
 
 
 def _listen_host(advertised: str) -> str:
