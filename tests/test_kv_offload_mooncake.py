@@ -20,7 +20,7 @@ import pytest
 
 from dolmus.bench.spawn import free_port
 from dolmus.config import OffloadTier, parse_kv_offload
-from dolmus.engine.kv_cache import _ROOT_HASH, hash_block
+from dolmus.engine.kv_cache import ROOT_HASH, hash_block
 from tests.helpers import greedy, run_tokens
 from tests.test_kv_offload import BLOCK, _evict_and_return, _llm, _prompts
 
@@ -82,7 +82,7 @@ def _chain(tokens: list[int], count: int) -> list[bytes]:
     """The first `count` full-block hashes of `tokens`, as the prefix cache chains them."""
     hashes: list[bytes] = []
     for i in range(count):
-        hashes.append(hash_block(hashes[-1] if hashes else _ROOT_HASH, tokens[i * BLOCK : (i + 1) * BLOCK]))
+        hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens[i * BLOCK : (i + 1) * BLOCK]))
     return hashes
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from dolmus.engine.request import Request
 
-_ROOT_HASH = b"dolmus-prefix-root"
+ROOT_HASH = b"dolmus-prefix-root"  # the seed of every chain of block hashes
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -207,7 +207,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dolmus.config import EngineConfig, KVTransferConfig
-from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
+from dolmus.engine.kv_cache import ROOT_HASH, KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
 from dolmus.engine.request import Request
 from dolmus.kv_connector.mooncake_store import MOONCAKE_SCHEME, MooncakeLookup
 from dolmus.kv_connector.stores import MEDIUM_CPU, MEDIUM_STORAGE
@@ -63,6 +63,9 @@ class TierIndex:
 
     def touch(self, key: bytes) -> None:
         self._lru.move_to_end(key)
+
+    def held_each(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self._lru for key in keys]
 
     def held_prefix(self, keys: list[bytes]) -> int:
         """How many of `keys`, from the first, the store holds."""
@@ -211,7 +214,7 @@ class KVConnectorScheduler:
         count = upto - num_full * self.bs
         if count <= 0:
             return None
-        parent = request.block_hashes[num_full - 1] if num_full else b"dolmus-prefix-root"
+        parent = request.block_hashes[num_full - 1] if num_full else ROOT_HASH
         tokens = request.all_token_ids[num_full * self.bs : upto]
         return hash_block(parent + b"partial", tokens), count
 
@@ -267,14 +270,13 @@ class KVConnectorScheduler:
         tier = self.tier
         assert tier is not None
         keys = [block[0] for block in blocks]
-        held = dict(zip(keys, tier.held_each(keys))) if isinstance(tier, SharedStoreIndex) else None
+        held = dict(zip(keys, tier.held_each(keys)))
         plan = self._plan
         for key, block_id, parent, tokens in blocks:
-            if held[key] if held is not None else key in tier:
+            if held[key]:
                 tier.touch(key)
                 continue
-            if held is not None:
-                held[key] = True  # the same block twice in one step (evicted and committed)
+            held[key] = True  # the same block twice in one step (evicted and committed)
             plan.save_hashes.append(key)
             plan.save_block_ids.append(block_id)
             dropped = tier.add(key)
