@@ -34,9 +34,9 @@ MEDIUM_STORAGE = "STORAGE"
 _HEADER = struct.Struct("<4sIQ32s")  # magic, crc32 of the payload, payload bytes, key
 _MAGIC = b"DKV1"
 _SUFFIX = ".kv"
-# Rows waiting for the writer; past this the write is skipped (the entry will be a miss) rather
-# than the step loop waiting on the disk.
-_MAX_PENDING_WRITES = 4096
+# Bytes of rows waiting for the writer; past this a write is skipped (the entry will be a miss)
+# rather than the step loop waiting on the disk or the pending rows growing without bound.
+_MAX_PENDING_BYTES = 256 << 20
 
 
 class BlockStore(ABC):
@@ -107,7 +107,8 @@ class DiskStore(BlockStore):
             stale.unlink(missing_ok=True)
         self._pending: dict[bytes, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[bytes | None] = queue.Queue(_MAX_PENDING_WRITES)
+        self._queue: queue.Queue[bytes | None] = queue.Queue()  # bounded by the bytes it waits on
+        self._pending_bytes = 0
         self.num_skipped = 0  # writes dropped because the writer fell behind
         self.num_corrupt = 0  # files found bad on read
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -118,13 +119,13 @@ class DiskStore(BlockStore):
 
     def put(self, key: bytes, row: torch.Tensor) -> None:
         with self._lock:
+            if self._pending_bytes + row.numel() > _MAX_PENDING_BYTES:
+                self.num_skipped += 1
+                return
+            old = self._pending.get(key)
+            self._pending_bytes += row.numel() - (old.numel() if old is not None else 0)
             self._pending[key] = row
-        try:
-            self._queue.put_nowait(key)
-        except queue.Full:
-            with self._lock:
-                self._pending.pop(key, None)
-            self.num_skipped += 1
+        self._queue.put(key)
 
     def _write_loop(self) -> None:
         while (key := self._queue.get()) is not None:
@@ -146,6 +147,7 @@ class DiskStore(BlockStore):
             with self._lock:
                 if self._pending.get(key) is row:
                     del self._pending[key]
+                    self._pending_bytes -= row.numel()
                 elif key not in self._pending:  # deleted while being written
                     path.unlink(missing_ok=True)
 
@@ -176,7 +178,9 @@ class DiskStore(BlockStore):
 
     def delete(self, key: bytes) -> None:
         with self._lock:
-            self._pending.pop(key, None)
+            row = self._pending.pop(key, None)
+            if row is not None:
+                self._pending_bytes -= row.numel()
         self._path(key).unlink(missing_ok=True)
 
     def keys(self) -> list[bytes]:
@@ -189,8 +193,5 @@ class DiskStore(BlockStore):
         return [key for _, key in sorted(found)]
 
     def close(self) -> None:
-        try:
-            self._queue.put(None, timeout=30)
-        except queue.Full:
-            return
-        self._writer.join(timeout=30)
+        self._queue.put(None)
+        self._writer.join(timeout=30)  # what is still pending after that is a later miss
