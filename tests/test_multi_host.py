@@ -129,3 +129,82 @@ def _read_line(proc: subprocess.Popen, timeout_s: float, logs: Path) -> str:
         pytest.fail(f"the head exited:\n{(logs / 'head.log').read_text()[-3000:]}\n"
                     f"worker:\n{(logs / 'worker.log').read_text()[-3000:]}")  # fmt: skip
     return line
+
+
+PREFILL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from dolmus import LLM, SamplingParams
+
+    def main():
+        model, addr, port, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+        llm = LLM(model, dtype="float32",
+                  kv_transfer_config={"kv_role": "kv_producer", "kv_ip": addr, "kv_port": port})
+        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        outs = llm.generate(prompts, ask)
+        print(json.dumps([o.kv_transfer_params for o in outs]), flush=True)
+        sys.stdin.readline()  # the outbox stays served until the decode host is done
+        llm.engine.shutdown()
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+DECODE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from dolmus import LLM, SamplingParams
+
+    def main():
+        model, prompts, params, greedy = sys.argv[1], *(json.loads(a) for a in sys.argv[2:5])
+        llm = LLM(model, dtype="float32", kv_transfer_config={"kv_role": "kv_consumer"})
+        outs = [llm.generate([p], SamplingParams(**greedy, kv_transfer_params=kv))[0]
+                for p, kv in zip(prompts, params)]
+        print(json.dumps([[o.outputs[0].token_ids, o.num_cached_tokens] for o in outs]), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_prefill_on_one_host_decode_on_another(two_hosts, llama_dir, tmp_path) -> None:
+    """Disaggregated prefill/decode across hosts: the prefill host advertises its own address
+    (kv_ip) in kv_transfer_params, the decode host fetches the prompt's KV from it over the veth
+    pair; tokens equal one engine's, every prompt token but the last transferred."""
+    head_ns, worker_ns = two_hosts
+    engine = LLM(str(llama_dir), dtype="float32")
+    want = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    lengths = [len(engine.tokenizer.encode(p)) for p in PROMPTS]
+    (tmp_path / "prefill.py").write_text(PREFILL_SCRIPT)
+    (tmp_path / "decode.py").write_text(DECODE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    prefill = subprocess.Popen(
+        ["ip", "netns", "exec", head_ns, sys.executable, str(tmp_path / "prefill.py"), str(llama_dir), HEAD_ADDR,
+         "24579", json.dumps(PROMPTS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "head.log", "wb"), text=True,
+        env=env,
+    )  # fmt: skip
+    (tmp_path / "worker.log").write_text("")
+    try:
+        params = json.loads(_read_line(prefill, 300, tmp_path))
+        assert all(p["remote_host"] == HEAD_ADDR for p in params)
+        decoded = subprocess.run(
+            ["ip", "netns", "exec", worker_ns, sys.executable, str(tmp_path / "decode.py"), str(llama_dir),
+             json.dumps(PROMPTS), json.dumps(params), json.dumps(GREEDY)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert decoded.returncode == 0, decoded.stderr[-3000:]
+        results = json.loads(decoded.stdout.strip().splitlines()[-1])
+        assert [tokens for tokens, _ in results] == want
+        assert [cached for _, cached in results] == [n - 1 for n in lengths]
+    finally:
+        if prefill.poll() is None:
+            prefill.stdin.write("done\n")
+            prefill.stdin.flush()
+            try:
+                prefill.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                prefill.kill()
+        prefill.wait(timeout=30)
