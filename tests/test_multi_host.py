@@ -181,8 +181,8 @@ def test_prefill_on_one_host_decode_on_another(two_hosts, llama_dir, tmp_path) -
     (tmp_path / "decode.py").write_text(DECODE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     prefill = subprocess.Popen(
-        ["ip", "netns", "exec", head_ns, sys.executable, str(tmp_path / "prefill.py"), str(llama_dir), HEAD_ADDR,
-         "24579", json.dumps(PROMPTS)],
+        ["ip", "netns", "exec", head_ns, sys.executable, str(tmp_path / "prefill.py"), str(llama_dir),
+         HEAD_ADDR, "24579", json.dumps(PROMPTS)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "head.log", "wb"), text=True,
         env=env,
     )  # fmt: skip
