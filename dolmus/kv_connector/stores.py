@@ -15,6 +15,7 @@ on every read: a corrupt or truncated file is deleted and reported as missing.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -113,6 +114,8 @@ class DiskStore(BlockStore):
         self.num_corrupt = 0  # files found bad on read
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        # An engine nobody shut down (a script's LLM) still leaves its last blocks on disk.
+        atexit.register(self.close)
 
     def _path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + _SUFFIX)
@@ -193,5 +196,7 @@ class DiskStore(BlockStore):
         return [key for _, key in sorted(found)]
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._writer.join(timeout=30)  # what is still pending after that is a later miss
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=30)  # what is still pending after that is a later miss
+        atexit.unregister(self.close)
