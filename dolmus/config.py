@@ -418,6 +418,12 @@ class EngineConfig:
             self.kv_events_config = KVEventsConfig.from_dict(self.kv_events_config)
         if isinstance(self.kv_transfer_config, dict):
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        transfer = self.kv_transfer_config
+        if self.nnodes > 1 and transfer is not None and transfer.mooncake_master is None:
+            raise ValueError(
+                "kv_transfer_config: over several hosts each rank's outbox is on its own host, which "
+                "DolmusConnector's one address cannot name; use MooncakeStoreConnector"
+            )
         parse_kv_offload(self.kv_offload)
         if self.kv_offload_size <= 0:
             raise ValueError(f"kv_offload_size must be positive GiB, got {self.kv_offload_size}")

@@ -16,6 +16,7 @@ from server_helpers import RemoteServer
 from dolmus import LLM
 from dolmus.bench.fleet import RouterProcess, router_binary
 from dolmus.bench.spawn import free_port
+from dolmus.config import EngineConfig
 from dolmus.engine.admission import RequestRefused
 from dolmus.sampling_params import SamplingParams
 from tests.helpers import greedy, run_tokens
@@ -99,6 +100,10 @@ def test_bad_transfer_params_are_refused(llama_dir: Path) -> None:
         LLM(model=str(llama_dir), kv_transfer_config={"kv_connector": "NixlConnector"})
     with pytest.raises(ValueError, match="master_server_address"):
         LLM(model=str(llama_dir), kv_transfer_config={"kv_connector": "MooncakeStoreConnector"})
+    with pytest.raises(ValueError, match="several hosts"):
+        EngineConfig(
+            tensor_parallel_size=2, nnodes=2, master_port=29500, kv_transfer_config={"kv_role": "kv_producer"}
+        )
 
 
 @pytest.fixture(scope="module")

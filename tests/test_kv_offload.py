@@ -170,11 +170,12 @@ def test_tier_saves_evicted_blocks_and_announces_them_with_their_medium() -> Non
     second = Request("b", list(range(100, 116)), SamplingParams(max_tokens=1), [], 1)
     assert kv.allocate(second, 16)  # takes all 4 blocks: the 3 cached ones are evicted
     plan = connector.take_transfer()
-    assert plan is not None and len(plan.save_hashes) == 3
+    assert plan is not None
     # A freed request's tail is evicted first, so the tier's oldest entry, pushed out, is the
     # chain's last block, and what it keeps is the chain's start.
     h0, h1, h2 = first.block_hashes
-    assert plan.save_hashes == [h2, h1, h0] and plan.drop_hashes == [h2]
+    # pushed out in the plan that was to save it: never saved, so nothing to delete
+    assert plan.save_hashes == [h1, h0] and plan.drop_hashes == []
     events = kv.take_events()
     stored = [e for e in events if isinstance(e, StoredBlocks) and e.medium == "CPU"]
     removed = [e for e in events if isinstance(e, RemovedBlocks) and e.medium == "CPU"]
@@ -207,3 +208,87 @@ def test_tier_under_tensor_parallelism_gives_one_ranks_tokens(llama_dir: Path, t
     finally:
         two.engine.shutdown()
     assert len(list(folder.iterdir())) == 2  # one layout per rank
+
+
+def test_a_preempted_sharer_saves_only_written_blocks() -> None:
+    """B hit blocks A writes only in this step; preempted with A in the same schedule, B's
+    saves stop before them: their bytes would be garbage under real keys."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    connector = KVConnectorScheduler(kv, TierIndex(16), "CPU", False, None, 0, 1)
+    a = Request("a", list(range(12)), SamplingParams(max_tokens=1), [], 1)
+    assert kv.allocate(a, 12)  # three blocks, registered fresh: written by the coming step
+    b = Request("b", list(range(12)) + [99, 98], SamplingParams(max_tokens=1), [], 1)
+    hits = kv.find_cached_prefix(b)
+    assert len(hits) == 3 and kv.allocate(b, 2, hits)
+    connector.on_preempt(b)
+    plan = connector.take_transfer()
+    assert plan is None or not plan.save_hashes
+
+
+def test_a_decoding_request_never_asks_the_prefill_worker_again() -> None:
+    """A decode worker's request preempted after its first outputs resumes from its own tier
+    (or computes): the prefill worker only ever held the prompt."""
+    from dolmus.config import KVTransferConfig
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    consumer = KVTransferConfig(kv_role="kv_consumer")
+    connector = KVConnectorScheduler(kv, None, None, False, consumer, 0, 1)
+    remote = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5}
+    fresh = Request("r", list(range(10)), SamplingParams(max_tokens=4, kv_transfer_params=remote), [], 4)
+    match = connector.match(fresh, 0)
+    assert match is not None and match.source == "tcp://127.0.0.1:5" and match.num_tokens == 9
+    fresh.append_token(7, 0.0)
+    assert connector.match(fresh, 0) is None  # no tier here: it computes
+
+
+def test_a_prompt_larger_than_the_outbox_exports_what_fits_and_leaks_nothing() -> None:
+    from dolmus.config import KVTransferConfig
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    producer = KVTransferConfig(kv_role="kv_producer")
+    connector = KVConnectorScheduler(kv, None, None, False, producer, 2, 1)
+    request = Request(
+        "p",
+        list(range(18)),
+        SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        [],
+        1,
+    )
+    assert kv.allocate(request, 18)
+    connector.on_scheduled([(request, True)])
+    plan = connector.take_transfer()
+    assert plan is not None
+    # four full blocks and a partial one; the outbox keeps two: the last two, never put then dropped
+    assert len(plan.export_hashes) == 2 and not plan.drop_export_hashes
+    assert plan.export_block_ids == kv.block_ids("p")[3:5]
+
+
+def test_scoring_twice_leaves_the_disk_tier_right(llama_dir: Path, tmp_path: Path) -> None:
+    """Scoring writes blocks outside the step loop: what the tier was to save of the first text
+    leaves before the second text's scoring overwrites those blocks (else the first text's keys
+    would hold the second text's KV, read back after a restart)."""
+    first, second = _prompts(6, (200, 200))
+    reference = run_tokens(_llm(llama_dir, None, 64), [first], greedy(8))
+    folder = tmp_path / "kv"
+    llm = _llm(llama_dir, f"disk:{folder}", 16)
+    llm.engine.prompt_logprobs(first)
+    llm.engine.prompt_logprobs(second)  # takes the first text's blocks
+    run_tokens(llm, [[5, 6, 7]], greedy(2))  # a step: whatever was pending is saved
+    llm.engine.shutdown()
+    again = _llm(llama_dir, f"disk:{folder}", 64)
+    out = again.generate([first], greedy(8))[0]
+    assert out.num_cached_tokens == 192  # from the disk
+    assert out.outputs[0].token_ids == reference[0]
+
+
+def test_data_parallel_replicas_get_their_own_tier_and_ports(tmp_path: Path) -> None:
+    from dolmus.config import EngineConfig
+    from dolmus.engine.data_parallel import replica_configs
+
+    config = EngineConfig(
+        kv_offload=f"disk:{tmp_path}", kv_offload_size=8, kv_transfer_config={"kv_role": "kv_producer"}
+    )
+    replicas = [c for c, _, _ in replica_configs(config, 2)]
+    assert [c.kv_offload for c in replicas] == [f"disk:{tmp_path}/replica-0", f"disk:{tmp_path}/replica-1"]
+    assert [c.kv_offload_size for c in replicas] == [4, 4]
+    assert [c.kv_transfer.kv_port for c in replicas] == [14579, 14580]

@@ -51,8 +51,25 @@ def replica_configs(
         else:  # each replica's ranks on GPUs of their own
             tp = config.tensor_parallel_size
             gpus = ",".join(str(g) for g in range(i * tp, (i + 1) * tp))
+        changes.update(_kv_connector_share(config, i, replicas))
         out.append((dataclasses.replace(config, **changes), cpus, gpus))
     return out
+
+
+def _kv_connector_share(config: EngineConfig, replica: int, replicas: int) -> dict:
+    """A replica's own offload folder and transfer ports, and its share of the tier's size: each
+    keeps its own index, which must not delete another's files or bind another's ports."""
+    changes: dict = {}
+    tier = config.kv_offload_tier
+    if tier is not None:
+        changes["kv_offload_size"] = config.kv_offload_size / replicas
+        if tier.kind == "disk":
+            changes["kv_offload"] = f"disk:{tier.path}/replica-{replica}"
+    transfer = config.kv_transfer
+    if transfer is not None and transfer.mooncake_master is None:
+        port = transfer.kv_port + replica * config.tensor_parallel_size
+        changes["kv_transfer_config"] = dataclasses.replace(transfer, kv_port=port)
+    return changes
 
 
 def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:

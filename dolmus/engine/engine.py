@@ -471,6 +471,9 @@ class Engine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.max_model_len}")
         request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
+        if self.connector is not None and self.connector.has_pending:
+            # the blocks to save must leave before the scoring below may overwrite them
+            self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
         if not self.kv.allocate(request, len(ids)):
             raise ValueError("the KV cache cannot hold this many tokens at once")
         if self.kv.pool.evicted:  # overwritten by the scoring below, before any step could save them

@@ -319,6 +319,17 @@ class KVCacheManager:
             blocks = self.req_blocks.get(request.request_id, [])
             self._register_full_blocks(request, blocks, request.num_computed_tokens, written=True)
 
+    def num_written_blocks(self, request_id: str, upto: int) -> int:
+        """How many of the request's first `upto` blocks hold the KV its computed tokens claim: up
+        to the first one another request writes only in the step being scheduled (a prefix hit
+        on a fresh block counts as computed before the forward pass has written it). Its own
+        fresh block holds what it computed before this step; the step only adds to it."""
+        blocks = self.req_blocks.get(request_id, [])[:upto]
+        for i, block in enumerate(blocks):
+            if self._fresh_owner.get(block.block_id, request_id) != request_id:
+                return i
+        return len(blocks)
+
     def has_fresh(self, blocks: Sequence[KVBlock]) -> bool:
         """Whether any of the blocks is to be written by this step's forward pass."""
         return any(b.block_id in self._fresh_owner for b in blocks)

@@ -228,7 +228,11 @@ class KVConnectorScheduler:
         if num_local_blocks * self.bs > upto:
             return None
         params = remote_params(request)
-        if params is not None and params.get("do_remote_prefill") and self.transfer is not None:
+        # A prefill worker holds the prompt only: a request that has outputs (preempted after
+        # them) resumes from the tier or computes, never asks it for what it never had.
+        remote = params is not None and params.get("do_remote_prefill") and request.num_output_tokens == 0
+        if remote and self.transfer is not None and self.transfer.consumes:
+            assert params is not None
             scheme = MOONCAKE_SCHEME if params.get("kv_transport") == "mooncake" else "tcp://"
             source = f"{scheme}{params['remote_host']}:{int(params['remote_port'])}"
             hashes = request.block_hashes[num_local_blocks:max_full]
@@ -277,10 +281,13 @@ class KVConnectorScheduler:
                 tier.touch(key)
                 continue
             held[key] = True  # the same block twice in one step (evicted and committed)
+            if key in plan.drop_hashes:  # dropped earlier in this plan, saved again now
+                plan.drop_hashes.remove(key)
             plan.save_hashes.append(key)
             plan.save_block_ids.append(block_id)
             dropped = tier.add(key)
-            plan.drop_hashes.extend(dropped)
+            for gone in dropped:
+                _cancel_or_drop(gone, plan.save_hashes, plan.save_block_ids, plan.drop_hashes)
             self.stats.tier_saved_blocks += 1
             if self._tier_events:
                 assert self.kv.events is not None
@@ -297,14 +304,22 @@ class KVConnectorScheduler:
         blocks = self.kv.block_ids(request.request_id)
         computed = request.num_computed_tokens
         num_full = min(computed // self.bs, len(request.block_hashes))
+        # Not past a block some request writes only in this step (a hit on another's fresh block
+        # counts as computed before it is written): its bytes would be garbage under a real key.
+        written = self.kv.num_written_blocks(request.request_id, num_full + 1)
+        if written < num_full:
+            num_full, computed = written, written * self.bs
         keep_tokens = self._tier_events
         saves = []
         for i in range(num_full):
             tokens = request.all_token_ids[i * self.bs : (i + 1) * self.bs] if keep_tokens else []
             parent = request.block_hashes[i - 1] if i else None
             saves.append((request.block_hashes[i], blocks[i], parent, tokens))
+        # The partly filled last block, when only the sampled token is left to compute (a decode):
+        # the one partial entry `match` can use (a chunk cut mid-prompt recomputes its tail).
         partial = self._partial_key(request, num_full, computed)
-        if partial is not None and num_full < len(blocks):
+        decoding = computed == request.num_tokens - 1
+        if partial is not None and decoding and num_full < len(blocks) and written > num_full:
             saves.append((partial[0], blocks[num_full], None, []))  # not a block routers can match
         self._save(saves)
 
@@ -329,7 +344,8 @@ class KVConnectorScheduler:
             for key, block_id in zip(keys, blocks):
                 plan.export_hashes.append(key)
                 plan.export_block_ids.append(block_id)
-                plan.drop_export_hashes.extend(self.outbox.add(key))
+                for gone in self.outbox.add(key):  # a prompt larger than the outbox loses its head
+                    _cancel_or_drop(gone, plan.export_hashes, plan.export_block_ids, plan.drop_export_hashes)
             self.stats.exported_blocks += len(keys)
             request.kv_transfer_out = self.transfer_params(request, blocks[: len(keys)])
 
@@ -409,6 +425,17 @@ class KVConnectorScheduler:
         """Let go of the tier's index (a shared store's client)."""
         if self.tier is not None:
             self.tier.close()
+
+
+def _cancel_or_drop(key: bytes, keys: list[bytes], block_ids: list[int], drops: list[bytes]) -> None:
+    """An entry pushed out of a store's index: not stored at all if this plan was to store it
+    (the worker would otherwise put it after the delete, and it would stay for good), else
+    deleted."""
+    if key in keys:
+        i = keys.index(key)
+        del keys[i], block_ids[i]
+    else:
+        drops.append(key)
 
 
 def make_scheduler_connector(

@@ -62,6 +62,8 @@ class BlockServer:
             if not self._sock.poll(_POLL_MS):
                 continue
             frames = self._sock.recv_multipart()
+            if len(frames) < 2:  # not a fetch: nothing to answer (and never the thread's end)
+                continue
             identity, layout, keys = frames[0], frames[1], frames[2:]
             reply = [identity]
             for key in keys:
@@ -71,7 +73,10 @@ class BlockServer:
                 else:
                     data = row.numpy().tobytes()
                     reply.append(_CRC.pack(zlib.crc32(data)) + data)
-            self._sock.send_multipart(reply)
+            try:
+                self._sock.send_multipart(reply, zmq.NOBLOCK)
+            except zmq.ZMQError:  # the asker is gone
+                pass
 
     def close(self) -> None:
         self._stop.set()

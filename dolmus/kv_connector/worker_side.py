@@ -76,16 +76,19 @@ class KVConnectorWorker:
     def start(self, transfer: KVTransfer | None) -> None:
         if transfer is None:
             return
-        if transfer.save_hashes and self.tier is not None:
-            rows = self.io.gather(transfer.save_block_ids)
-            # each row its own memory: a row of `rows` would keep all of them alive
-            self.tier.put_many(transfer.save_hashes, [row.clone() for row in rows])
-        for key in transfer.drop_hashes:
-            if self.tier is not None:
-                self.tier.delete(key)
-        for key in transfer.drop_export_hashes:
-            if self.outbox is not None:
-                self.outbox.delete(key)
+        try:  # a store that fails costs misses later, never the step (nor a rank out of step)
+            if transfer.save_hashes and self.tier is not None:
+                rows = self.io.gather(transfer.save_block_ids)
+                # each row its own memory: a row of `rows` would keep all of them alive
+                self.tier.put_many(transfer.save_hashes, [row.clone() for row in rows])
+            for key in transfer.drop_hashes:
+                if self.tier is not None:
+                    self.tier.delete(key)
+            for key in transfer.drop_export_hashes:
+                if self.outbox is not None:
+                    self.outbox.delete(key)
+        except Exception:
+            logger.exception("KV offload: saving or dropping blocks failed")
         self._exports = (transfer.export_hashes, transfer.export_block_ids)
         for load in transfer.loads:
             self._loading.append((load, self._pool.submit(self._load, load)))
@@ -129,7 +132,10 @@ class KVConnectorWorker:
         keys, block_ids = self._exports
         if keys and self.outbox is not None:
             rows = self.io.gather(block_ids)
-            self.outbox.put_many(keys, [row.clone() for row in rows])
+            try:
+                self.outbox.put_many(keys, [row.clone() for row in rows])
+            except Exception:  # the decode worker's fetch fails and says so
+                logger.exception("KV transfer: exporting blocks failed")
         self._exports = ([], [])
         if not self._loading:
             return {}
