@@ -56,13 +56,17 @@ def _evict_and_return(llm: LLM) -> tuple[list[list[int]], list[int]]:
 @pytest.mark.parametrize("medium", ["cpu", "disk"])
 def test_tier_brings_back_an_evicted_prefix(llama_dir: Path, tmp_path: Path, medium: str) -> None:
     offload = "cpu" if medium == "cpu" else f"disk:{tmp_path / 'kv'}"
-    reference, ref_cached = _evict_and_return(_llm(llama_dir, None, 24))
-    llm = _llm(llama_dir, offload, 24)
-    tokens, cached = _evict_and_return(llm)
+    check_eviction_round_trip(_llm(llama_dir, None, 24), _llm(llama_dir, offload, 24))
+
+
+def check_eviction_round_trip(plain: LLM, tiered: LLM) -> None:
+    """The same tokens with the tier as without, and the evicted prompt's blocks back from it."""
+    reference, ref_cached = _evict_and_return(plain)
+    tokens, cached = _evict_and_return(tiered)
     assert tokens == reference
     assert ref_cached[3] < 144  # without the tier, A was (mostly) evicted
     assert cached[3] == 144  # with it: all 9 full blocks, cached or loaded
-    stats = llm.engine.stats()
+    stats = tiered.engine.stats()
     assert stats.kv_offload_loaded_tokens >= 144 - ref_cached[3]
     assert stats.kv_offload_failed_loads == 0
 

@@ -22,7 +22,7 @@ from dolmus.bench.spawn import free_port
 from dolmus.config import OffloadTier, parse_kv_offload
 from dolmus.engine.kv_cache import ROOT_HASH, hash_block
 from tests.helpers import greedy, run_tokens
-from tests.test_kv_offload import BLOCK, _evict_and_return, _llm, _prompts
+from tests.test_kv_offload import BLOCK, _llm, _prompts, check_eviction_round_trip
 
 _START_TIMEOUT = 20.0
 
@@ -134,16 +134,9 @@ def test_each_rank_shares_its_own_part_and_another_layout_finds_nothing(llama_di
 
 
 def test_mooncake_tier_brings_back_an_evicted_prefix(llama_dir: Path, master: str) -> None:
-    reference, ref_cached = _evict_and_return(_llm(llama_dir, None, 24))
     llm = _llm(llama_dir, f"mooncake:{master}", 24)
     try:
-        tokens, cached = _evict_and_return(llm)
-        assert tokens == reference
-        assert ref_cached[3] < 144  # without the tier, A was (mostly) evicted
-        assert cached[3] == 144  # with it: all 9 full blocks, cached or loaded
-        stats = llm.engine.stats()
-        assert stats.kv_offload_loaded_tokens >= 144 - ref_cached[3]
-        assert stats.kv_offload_failed_loads == 0
+        check_eviction_round_trip(_llm(llama_dir, None, 24), llm)
     finally:
         llm.engine.shutdown()
 
