@@ -169,3 +169,24 @@ def test_decode_server_answers_503_when_the_prefill_worker_is_gone(pd_pair) -> N
     assert answer.status_code == 503
     assert f"tcp://127.0.0.1:{dead}" in answer.json()["error"]["message"]
     assert httpx.get(f"{decode.url}/health", timeout=10).status_code == 200
+
+
+def test_a_dead_prefill_worker_holds_up_only_its_own_request(llama_dir: Path) -> None:
+    """A fetch that waits on a dead peer spans steps: the other requests keep decoding and
+    finish long before that fetch gives up (the step loop never waits on it)."""
+    decode = LLM(
+        model=str(llama_dir),
+        dtype="float32",
+        kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout": 5.0},
+    )
+    engine = decode.engine
+    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": free_port()}
+    engine.add_request("stalled", list(range(3, 60)), greedy(8, kv_transfer_params=dead))
+    engine.add_request("flowing", list(range(100, 120)), greedy(40))
+    order = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+        order += [rid for rid, _ in engine.take_refusals()]
+    assert order == ["flowing", "stalled"]

@@ -322,7 +322,7 @@ class Engine:
         if self.connector is not None and not self._groups and self.connector.has_pending:
             # Going idle: the last step's saves (a disk tier's newest blocks) go now, not whenever
             # the next request comes.
-            self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
+            self._run_transfers()
         self._publish_kv_events()
         elapsed = time.monotonic() - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
@@ -352,6 +352,12 @@ class Engine:
                     ),
                 )
             )
+
+    def _run_transfers(self) -> None:
+        """A step of transfers only, outside the step loop; loads it sees end are applied."""
+        assert self.connector is not None
+        result = self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
+        self.scheduler.apply_load_report(result.kv_loaded)
 
     def _fail_transfers(self) -> None:
         """Requests whose prompt KV could not be fetched from their prefill worker end with an
@@ -472,8 +478,7 @@ class Engine:
             raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.max_model_len}")
         request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
         if self.connector is not None and self.connector.has_pending:
-            # the blocks to save must leave before the scoring below may overwrite them
-            self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
+            self._run_transfers()  # the blocks to save leave before the scoring may overwrite them
         if not self.kv.allocate(request, len(ids)):
             raise ValueError("the KV cache cannot hold this many tokens at once")
         if self.kv.pool.evicted:  # overwritten by the scoring below, before any step could save them

@@ -390,13 +390,16 @@ class KVConnectorScheduler:
         return not self._plan.empty or bool(self.kv.pool.evicted) or bool(self.kv.committed)
 
     def loaded(self, report: dict[str, int]) -> list[LoadOutcome]:
-        """Apply the ranks' report of this step's loads: entries that did not load leave the
-        index (and the tier); returns, per request still loading, what it gained."""
+        """Apply the ranks' report of the loads that ended (a load may span steps: a slow peer
+        holds up only its own request): entries that did not load leave the index (and the
+        tier); returns, per reported request, what it gained."""
         outcomes = []
-        for rid, load in list(self._loads.items()):
-            del self._loads[rid]
+        for rid, count in report.items():
+            load = self._loads.pop(rid, None)
+            if load is None:
+                continue
             match = load.match
-            good = min(report.get(rid, 0), len(match.hashes))
+            good = min(count, len(match.hashes))
             failed = good < len(match.hashes)
             tokens = match.num_tokens if not failed else good * self.bs
             if match.source:
@@ -416,10 +419,6 @@ class KVConnectorScheduler:
             fatal = fatal and self.transfer.kv_load_failure_policy == "fail"  # type: ignore[union-attr]
             outcomes.append(LoadOutcome(load.request, tokens, failed, match.source, fatal))
         return outcomes
-
-    def forget(self, request: Request) -> None:
-        """The request left while loading (aborted): its report will be ignored."""
-        self._loads.pop(request.request_id, None)
 
     def close(self) -> None:
         """Let go of the tier's index (a shared store's client)."""

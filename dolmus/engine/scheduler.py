@@ -106,9 +106,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        if self.connector is not None:
-            self.connector.forget(request)
-        self.kv.free(request)
+        # Blocks a load is still filling are freed once it reports (never reused under it).
+        if self.connector is None or not self.connector.is_loading(request):
+            self.kv.free(request)
         request.status = status
         request.timings.finished = time.monotonic()
         self._finished_ids.append(request_id)
@@ -164,6 +164,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.connector is not None and self.connector.is_loading(request):
+                i += 1  # its blocks are being filled: it computes once they are
+                continue
             num_new = min(
                 request.num_tokens - request.num_computed_tokens, self.book.allowance(request, budget)
             )
@@ -225,6 +228,8 @@ class Scheduler:
         request = self.running[i]
         for j in range(len(self.running) - 1, i, -1):
             candidate = self.running[j]
+            if self.connector is not None and self.connector.is_loading(candidate):
+                continue  # its blocks are being filled
             if not self.book.shields(candidate, request, KV, self.running):
                 return candidate
         return request
@@ -337,8 +342,7 @@ class Scheduler:
         tokens this step (finished ones included) with how many it kept.
         """
         self.kv.commit_step()  # the forward pass wrote every block allocated for this step
-        if self.connector is not None:
-            self._apply_loads(self.connector.loaded(result.kv_loaded))
+        self.apply_load_report(result.kv_loaded)
         now = time.monotonic()
         updated = []
         for item in output.scheduled:
@@ -357,10 +361,16 @@ class Scheduler:
                 updated.append((request, self._append(request, tokens, logprobs, now)))
         return updated
 
+    def apply_load_report(self, report: dict[str, int]) -> None:
+        """The ranks' report of the loads that ended (in a step's result)."""
+        if self.connector is not None and report:
+            self._apply_loads(self.connector.loaded(report))
+
     def _apply_loads(self, outcomes: list[LoadOutcome]) -> None:
         for outcome in outcomes:
             request = outcome.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status.finished:  # it ended while loading: its blocks are free now
+                self.kv.free(request)
                 continue
             request.num_computed_tokens += outcome.num_tokens
             self.kv.publish_loaded(request)

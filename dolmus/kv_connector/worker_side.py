@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -29,6 +29,8 @@ from dolmus.kv_connector.transfer import BlockServer, TransferError, fetch_block
 from dolmus.step import BlockLoad, KVTransfer
 
 logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.02  # a step with nothing but loads in flight waits this long for one
 
 
 def rank_address(source: str, rank: int) -> str:
@@ -127,8 +129,11 @@ class KVConnectorWorker:
             self.io.scatter(load.block_ids[:good], torch.stack(rows[:good]))  # type: ignore[arg-type]
         return good
 
-    def finish(self) -> dict[str, int]:
-        """After the forward pass: exports taken, loads done; {request: blocks every rank loaded}."""
+    def finish(self, idle: bool = False) -> dict[str, int]:
+        """After the forward pass: exports taken; {request: blocks every rank loaded} for the
+        loads that ended on every rank (the others go on; a slow peer holds up only its own
+        request). `idle`: the step ran nothing else, so wait a little for a load rather than
+        have the engine spin through empty steps."""
         keys, block_ids = self._exports
         if keys and self.outbox is not None:
             rows = self.io.gather(block_ids)
@@ -139,16 +144,22 @@ class KVConnectorWorker:
         self._exports = ([], [])
         if not self._loading:
             return {}
-        counts = []
+        if idle:
+            wait([future for _, future in self._loading], _IDLE_WAIT_S, FIRST_COMPLETED)
+        counts = []  # blocks loaded; -1 while it runs (the smallest over the ranks decides)
         for load, future in self._loading:
+            if not future.done():
+                counts.append(-1)
+                continue
             try:
                 counts.append(future.result())
             except Exception:  # a store error is a miss, never a dead step
                 logger.exception("KV load for %s failed", load.request_id)
                 counts.append(0)
-        ids = [load.request_id for load, _ in self._loading]
-        self._loading = []
-        return dict(zip(ids, agree_on_min_each(counts, self.parallel, self.device)))
+        agreed = agree_on_min_each(counts, self.parallel, self.device)
+        report = {load.request_id: n for (load, _), n in zip(self._loading, agreed) if n >= 0}
+        self._loading = [(load, f) for (load, f), n in zip(self._loading, agreed) if n < 0]
+        return report
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

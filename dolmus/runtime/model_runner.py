@@ -432,7 +432,7 @@ class ModelRunner:
             return self._execute(plan)
         connector.start(plan.kv_transfer)
         result = self._execute(plan)
-        result.kv_loaded = connector.finish()
+        result.kv_loaded = connector.finish(idle=plan.empty)
         return result
 
     def close(self) -> None:
