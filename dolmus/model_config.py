@@ -53,6 +53,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     quantization_config: dict[str, Any] | None = None  # a pre-quantized checkpoint's format
+    # Mixture-of-Experts (0: a dense MLP): experts per layer, experts each token goes through
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:

@@ -11,7 +11,14 @@ from dolmus.runtime.gguf_loader import gguf_config
 from dolmus.runtime.models import registry
 from dolmus.runtime.models.llama import LlamaForCausalLM
 
-SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+SUPPORTED = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+]
+DENSE = [name for name in SUPPORTED if name != "MixtralForCausalLM"]  # the Llama class itself
 BASE = dict(
     vocab_size=512,
     hidden_size=64,
@@ -29,7 +36,8 @@ def _parse(arch: str, **extra: Any) -> ModelConfig:
 
 def test_the_family_files_register_every_supported_architecture() -> None:
     assert registry.supported_architectures() == SUPPORTED
-    assert all(registry.model_class(name) is LlamaForCausalLM for name in SUPPORTED)
+    assert all(registry.model_class(name) is LlamaForCausalLM for name in DENSE)
+    assert issubclass(registry.model_class("MixtralForCausalLM"), LlamaForCausalLM)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
@@ -50,7 +58,11 @@ def test_each_architecture_parses_its_own_facts() -> None:
     assert (mistral.sliding_window, qwen2.sliding_window) == (256, None)
     assert _parse("Qwen2ForCausalLM", use_sliding_window=True).sliding_window == 256
     # The shared fields come out the same for every architecture.
-    assert {c.architecture for c in (llama, mistral, qwen2, qwen3)} == set(SUPPORTED)
+    assert {c.architecture for c in (llama, mistral, qwen2, qwen3)} == set(DENSE)
+    mixtral = _parse("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, llama.num_experts) == (8, 2, 0)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        _parse("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=3)
     assert len({(c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) for c in (llama, qwen2, qwen3)}) == 1
 
 

@@ -13,7 +13,7 @@ all-reduced, the logits all-gathered), and norms are whole on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -56,6 +56,11 @@ def expected_weights(model: nn.Module) -> set[tuple[str, str | None]]:
     expected: set[tuple[str, str | None]] = {
         (name, None) for name, _ in model.named_parameters(remove_duplicate=False)
     }
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shards = getattr(param, "expected_shards", None)  # filled piece by piece (experts)
+        if shards is not None:
+            expected.discard((name, None))
+            expected.update((name, shard) for shard in shards)
     for prefix, module in model.named_modules():
         if isinstance(module, Linear):
             for pname, _ in module.named_parameters(recurse=False):
@@ -156,12 +161,14 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         parallel: ParallelConfig,
         ops: LayerOps,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the feed-forward block when it is not the dense one (a Mixture-of-Experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(cfg, dtype, method, backend, parallel, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(cfg, dtype, method, parallel, ops)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype, method, parallel, ops)
 
     def forward(
         self,
@@ -194,12 +201,14 @@ class LlamaModel(nn.Module):
         max_len: int,
         parallel: ParallelConfig,
         ops: LayerOps,
+        make_mlp: Callable[[], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, method, backend, parallel, ops) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, dtype, method, backend, parallel, ops, make_mlp() if make_mlp else None)
+            for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -217,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops)
+        make_mlp = self.mlp_factory(cfg, dtype, parallel)
+        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops, make_mlp)
         # A tied head is still its own Linear (sharing the embedding's storage, the same rows
         # of the vocabulary under tensor parallelism) so its method may pack or quantize it.
         self.lm_head = Linear(
@@ -258,6 +268,17 @@ class LlamaForCausalLM(nn.Module):
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)
         return self.model.norm(x) if residual is None else self.model.norm.forward_add(x, residual)
 
+    def mlp_factory(
+        self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig
+    ) -> Callable[[], nn.Module] | None:
+        """What builds each layer's feed-forward block; None: the dense MLP (a family with
+        experts overrides this)."""
+        return None
+
+    def route_weight(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's parameter and shard (a family with other names overrides this)."""
+        return fused_name(name)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
@@ -280,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
                 if not isinstance(tensor, torch.Tensor):  # the embedding's codes (GGUF): the head's
                     self.lm_head.weight_loader(self.lm_head.weight, tensor)
                 continue
-            name, shard = fused_name(name)
+            name, shard = self.route_weight(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(
