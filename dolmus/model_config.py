@@ -53,9 +53,15 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     quantization_config: dict[str, Any] | None = None  # a pre-quantized checkpoint's format
-    # Mixture-of-Experts (0: a dense MLP): experts per layer, experts each token goes through
+    # Mixture-of-Experts (0: a dense MLP): experts per layer, experts each token goes through,
+    # an expert's inner size, a shared expert's (0: none), whether the chosen experts' weights
+    # are renormalized to sum to 1, and the layers that keep a dense MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:

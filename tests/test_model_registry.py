@@ -16,9 +16,12 @@ SUPPORTED = [
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 ]
-DENSE = [name for name in SUPPORTED if name != "MixtralForCausalLM"]  # the Llama class itself
+MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+DENSE = [name for name in SUPPORTED if name not in MOE]  # the Llama class itself
 BASE = dict(
     vocab_size=512,
     hidden_size=64,
@@ -37,7 +40,7 @@ def _parse(arch: str, **extra: Any) -> ModelConfig:
 def test_the_family_files_register_every_supported_architecture() -> None:
     assert registry.supported_architectures() == SUPPORTED
     assert all(registry.model_class(name) is LlamaForCausalLM for name in DENSE)
-    assert issubclass(registry.model_class("MixtralForCausalLM"), LlamaForCausalLM)
+    assert all(issubclass(registry.model_class(name), LlamaForCausalLM) for name in MOE)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:

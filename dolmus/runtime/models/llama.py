@@ -201,14 +201,14 @@ class LlamaModel(nn.Module):
         max_len: int,
         parallel: ParallelConfig,
         ops: LayerOps,
-        make_mlp: Callable[[], nn.Module] | None = None,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, method, backend, parallel, ops, make_mlp() if make_mlp else None)
-            for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, dtype, method, backend, parallel, ops, make_mlp(i) if make_mlp else None)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        make_mlp = self.mlp_factory(cfg, dtype, parallel)
+        make_mlp = self.mlp_factory(cfg, dtype, method, parallel, ops)
         self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops, make_mlp)
         # A tied head is still its own Linear (sharing the embedding's storage, the same rows
         # of the vocabulary under tensor parallelism) so its method may pack or quantize it.
@@ -269,10 +269,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x) if residual is None else self.model.norm.forward_add(x, residual)
 
     def mlp_factory(
-        self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelConfig
-    ) -> Callable[[], nn.Module] | None:
-        """What builds each layer's feed-forward block; None: the dense MLP (a family with
-        experts overrides this)."""
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        parallel: ParallelConfig,
+        ops: LayerOps,
+    ) -> Callable[[int], nn.Module | None] | None:
+        """What builds layer i's feed-forward block (None from it: the dense MLP); None: the
+        dense MLP everywhere (a family with experts overrides this)."""
         return None
 
     def route_weight(self, name: str) -> tuple[str, str | None]:

@@ -1,0 +1,194 @@
+"""Sparse Mixture-of-Experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+The Llama architecture with, in some or all layers, a sparse block in place of the MLP: each
+token's router picks `num_experts_per_tok` of `num_experts` experts (softmax over every
+expert, the top k kept, renormalized to sum to 1 where the config says so: Mixtral always),
+and the block's output is their SiLU-gated MLPs' outputs, weighted. Qwen2-MoE adds a shared
+expert (a dense MLP every token goes through) scaled by a sigmoid gate of its own.
+
+The experts of a layer are stacked ([experts, 2 * inner, hidden] for gate and up, [experts,
+hidden, inner] for down), and a step runs one product per active expert over the tokens routed
+to it (tokens grouped by expert with one sort, no loop over tokens): at one token only the
+chosen experts' weights are read.
+
+Not yet: tensor and expert parallelism (refused at load), GGUF MoE files; under --quantization
+the attention, dense, shared-expert and head layers are quantized and the experts stay in the
+model dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dolmus.config import ModelConfig, parse_common_fields
+from dolmus.distributed.parallel_config import ParallelConfig
+from dolmus.runtime.layers.linear_method import LinearMethod
+from dolmus.runtime.layers.ops import LayerOps
+from dolmus.runtime.models.llama import MLP, LlamaForCausalLM, fused_name
+from dolmus.runtime.models.registry import register_architecture
+
+# checkpoint names of one expert's matrices: Mixtral's w1/w3/w2, Qwen's gate/up/down
+_EXPERT = re.compile(
+    r"\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_ROUTER = re.compile(r"\.(?:block_sparse_moe|mlp)\.gate\.weight$")
+_PART = {
+    "w1": ("w13", "gate"),
+    "gate_proj": ("w13", "gate"),
+    "w3": ("w13", "up"),
+    "up_proj": ("w13", "up"),
+    "w2": ("w2", "down"),
+    "down_proj": ("w2", "down"),
+}
+
+
+def _moe_fields(raw: dict[str, Any], source: str, experts_key: str) -> dict[str, Any]:
+    # Qwen's hub configs say num_experts; transformers 5 writes num_local_experts for both
+    experts = int(raw.get(experts_key) or raw.get("num_local_experts") or 0)
+    per_token = int(raw.get("num_experts_per_tok", 0))
+    if experts < 1 or not 1 <= per_token <= experts:
+        raise ValueError(
+            f"model: {source} needs {experts_key} >= 1 and 1 <= num_experts_per_tok <= it, "
+            f"got {experts} and {per_token}"
+        )
+    return {"num_experts": experts, "num_experts_per_tok": per_token}
+
+
+def parse_mixtral(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    fields = {**parse_common_fields(raw, source), **_moe_fields(raw, source, "num_local_experts")}
+    fields["moe_intermediate_size"] = fields["intermediate_size"]
+    return fields
+
+
+def _parse_qwen_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    fields = {**parse_common_fields(raw, source), **_moe_fields(raw, source, "num_experts")}
+    fields["moe_intermediate_size"] = int(raw.get("moe_intermediate_size") or fields["intermediate_size"])
+    fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    only_dense = set(raw.get("mlp_only_layers") or [])
+    fields["dense_layers"] = [
+        i for i in range(fields["num_layers"]) if i in only_dense or (i + 1) % step != 0
+    ]
+    if not raw.get("use_sliding_window", False):
+        fields["sliding_window"] = None
+    return fields
+
+
+def parse_qwen2_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    fields = _parse_qwen_moe(raw, source)
+    fields["attention_bias"] = bool(raw.get("qkv_bias", raw.get("attention_bias", True)))
+    fields["shared_expert_intermediate_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
+    return fields
+
+
+def parse_qwen3_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    return {**_parse_qwen_moe(raw, source), "qk_norm": True}
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        parallel: ParallelConfig,
+        ops: LayerOps,
+    ) -> None:
+        super().__init__()
+        experts, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.inner = inner
+        self.router = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inner, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inner, dtype=dtype), requires_grad=False)
+        for param, parts in ((self.w13, ("gate", "up")), (self.w2, ("down",))):
+            param.expected_shards = [f"{part}:{e}" for e in range(experts) for part in parts]  # type: ignore[attr-defined]
+            param.weight_loader = self._load_expert  # type: ignore[attr-defined]
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Parameter | None = None
+        if cfg.shared_expert_intermediate_size:
+            shared = ModelConfig(**{**cfg.__dict__, "intermediate_size": cfg.shared_expert_intermediate_size})
+            self.shared_expert = MLP(shared, dtype, method, parallel, ops)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        assert shard is not None
+        part, expert = shard.split(":")
+        target = param.data[int(expert)]
+        if part == "gate":
+            target = target[: self.inner]
+        elif part == "up":
+            target = target[self.inner :]
+        if tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.nn.functional.linear(x, self.router).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        tokens = order // self.top_k
+        scale = weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue  # its weights are not read this step
+            rows = tokens[start : start + n]
+            h = torch.nn.functional.linear(x.index_select(0, rows), self.w13[expert])
+            h = torch.nn.functional.silu(h[:, : self.inner]) * h[:, self.inner :]
+            y = torch.nn.functional.linear(h, self.w2[expert])
+            out.index_add_(0, rows, y.float() * scale[start : start + n])
+            start += n
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            gate = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate).float())
+            out += gate * self.shared_expert(x).float()
+        return out.to(x.dtype)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    def mlp_factory(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        parallel: ParallelConfig,
+        ops: LayerOps,
+    ) -> Callable[[int], nn.Module | None] | None:
+        if parallel.tp_size > 1:
+            raise ValueError(
+                f"{cfg.architecture}: Mixture-of-Experts layers do not run under tensor parallelism yet"
+            )
+        dense = set(cfg.dense_layers)
+        return lambda i: None if i in dense else SparseMoE(cfg, dtype, method, parallel, ops)
+
+    def route_weight(self, name: str) -> tuple[str, str | None]:
+        found = _EXPERT.search(name)
+        if found is not None:
+            param, part = _PART[found.group(2)]
+            return f"{name[: found.start()]}.mlp.{param}", f"{part}:{found.group(1)}"
+        router = _ROUTER.search(name)
+        if router is not None:
+            return name[: router.start()] + ".mlp.router", None
+        if name.endswith(".mlp.shared_expert_gate.weight"):
+            return name.removesuffix(".weight"), None
+        return fused_name(name)
+
+    def fused_decoder(self, kv_caches: list, max_rows: int) -> tuple[None, str]:
+        return None, "Mixture-of-Experts layers are not in the fused step"
+
+
+register_architecture("MixtralForCausalLM", parse=parse_mixtral, model_cls=MoEForCausalLM)
+register_architecture("Qwen2MoeForCausalLM", parse=parse_qwen2_moe, model_cls=MoEForCausalLM)
+register_architecture("Qwen3MoeForCausalLM", parse=parse_qwen3_moe, model_cls=MoEForCausalLM)
