@@ -116,9 +116,8 @@ def main() -> None:
     torch.set_num_threads(threads)
     ours = LLM(str(folder), dtype="bfloat16", max_model_len=512)
     theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    print(
-        f"CPU: {_cpu_name()} ({threads} cores); {sum(p.numel() for p in theirs.parameters()) * 2 / 1e9:.2f} GB"
-    )
+    gigabytes = sum(p.numel() for p in theirs.parameters()) * 2 / 1e9
+    print(f"CPU: {_cpu_name()} ({threads} cores); {gigabytes:.2f} GB")
     workloads = {"batch 1": (1, 64, 64), "batch 32": (32, 64, 32)}
     rates: dict[str, dict[str, list[float]]] = {w: {"transformers": [], "dolmus": []} for w in workloads}
     for r in range(args.rounds):
