@@ -67,15 +67,6 @@ class TierIndex:
     def held_each(self, keys: Sequence[bytes]) -> list[bool]:
         return [key in self._lru for key in keys]
 
-    def held_prefix(self, keys: list[bytes]) -> int:
-        """How many of `keys`, from the first, the store holds."""
-        count = 0
-        for key in keys:
-            if key not in self._lru:
-                break
-            count += 1
-        return count
-
     def add(self, key: bytes) -> list[bytes]:
         """Record a new entry; returns the entries it pushed out (to delete from the store)."""
         self._lru[key] = None
@@ -120,10 +111,6 @@ class SharedStoreIndex:
         """Whether the store holds each of `keys`, in one question."""
         return self.lookup.held(keys)
 
-    def held_prefix(self, keys: list[bytes]) -> int:
-        held = self.lookup.held(keys)
-        return held.index(False) if False in held else len(held)
-
     def touch(self, key: bytes) -> None:
         pass  # the store keeps its own recency
 
@@ -150,7 +137,6 @@ class LoadMatch:
 class _Load:
     request: Request
     match: LoadMatch
-    first_block: int  # the request's block-table index where the loaded blocks start
 
 
 @dataclass
@@ -246,7 +232,8 @@ class KVConnectorScheduler:
         if self.tier is None:
             return None
         wanted = request.block_hashes[num_local_blocks:max_full]
-        hashes = wanted[: self.tier.held_prefix(wanted)]
+        held = self.tier.held_each(wanted)
+        hashes = wanted[: held.index(False) if False in held else len(held)]  # the chain's run
         tokens = len(hashes) * self.bs
         if num_local_blocks + len(hashes) == max_full:
             partial = self._partial_key(request, max_full, upto)
@@ -261,7 +248,7 @@ class KVConnectorScheduler:
         """The request got blocks for the match: load them in this step."""
         block_ids = self.kv.block_ids(request.request_id, first_block)[: len(match.hashes)]
         self._plan.loads.append(BlockLoad(request.request_id, match.hashes, block_ids, match.source))
-        self._loads[request.request_id] = _Load(request, match, first_block)
+        self._loads[request.request_id] = _Load(request, match)
 
     def is_loading(self, request: Request) -> bool:
         return request.request_id in self._loads

@@ -18,6 +18,7 @@ model dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -113,7 +114,7 @@ class SparseMoE(nn.Module):
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if cfg.shared_expert_intermediate_size:
-            shared = ModelConfig(**{**cfg.__dict__, "intermediate_size": cfg.shared_expert_intermediate_size})
+            shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = MLP(shared, dtype, method, parallel, ops)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
 
