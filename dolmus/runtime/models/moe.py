@@ -6,10 +6,8 @@ expert, the top k kept, renormalized to sum to 1 where the config says so: Mixtr
 and the block's output is their SiLU-gated MLPs' outputs, weighted. Qwen2-MoE adds a shared
 expert (a dense MLP every token goes through) scaled by a sigmoid gate of its own.
 
-The experts of a layer are stacked ([experts, 2 * inner, hidden] for gate and up, [experts,
-hidden, inner] for down), and a step runs one product per active expert over the tokens routed
-to it (tokens grouped by expert with one sort, no loop over tokens): at one token only the
-chosen experts' weights are read.
+The experts themselves run as a group (runtime/layers/fused_moe.py): one product per active
+expert over the tokens routed to it; at one token only the chosen experts' weights are read.
 
 Not yet: tensor and expert parallelism (refused at load), GGUF MoE files; under --quantization
 the attention, dense, shared-expert and head layers are quantized and the experts stay in the
@@ -28,6 +26,7 @@ from torch import nn
 
 from dolmus.config import ModelConfig, parse_common_fields
 from dolmus.distributed.parallel_config import ParallelConfig
+from dolmus.runtime.layers.fused_moe import FusedExperts, softmax_top_k
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.models.llama import MLP, LlamaForCausalLM, fused_name
@@ -92,6 +91,8 @@ def parse_qwen3_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 class SparseMoE(nn.Module):
+    """A softmax top-k router over `FusedExperts`, plus Qwen2-MoE's gated shared expert."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -101,16 +102,11 @@ class SparseMoE(nn.Module):
         ops: LayerOps,
     ) -> None:
         super().__init__()
-        experts, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.inner = inner
-        self.router = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inner, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inner, dtype=dtype), requires_grad=False)
-        for param, parts in ((self.w13, ("gate", "up")), (self.w2, ("down",))):
-            param.expected_shards = [f"{part}:{e}" for e in range(experts) for part in parts]  # type: ignore[attr-defined]
-            param.weight_loader = self._load_expert  # type: ignore[attr-defined]
+        hidden = cfg.hidden_size
+        self.router = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.experts = FusedExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, dtype)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if cfg.shared_expert_intermediate_size:
@@ -118,39 +114,10 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(shared, dtype, method, parallel, ops)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
 
-    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
-        assert shard is not None
-        part, expert = shard.split(":")
-        target = param.data[int(expert)]
-        if part == "gate":
-            target = target[: self.inner]
-        elif part == "up":
-            target = target[self.inner :]
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(loaded)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.nn.functional.linear(x, self.router).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
-        tokens = order // self.top_k
-        scale = weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue  # its weights are not read this step
-            rows = tokens[start : start + n]
-            h = torch.nn.functional.linear(x.index_select(0, rows), self.w13[expert])
-            h = torch.nn.functional.silu(h[:, : self.inner]) * h[:, self.inner :]
-            y = torch.nn.functional.linear(h, self.w2[expert])
-            out.index_add_(0, rows, y.float() * scale[start : start + n])
-            start += n
+        logits = torch.nn.functional.linear(x, self.router)
+        weights, chosen = softmax_top_k(logits, self.top_k, self.renormalize)
+        out = self.experts(x, weights, chosen)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             gate = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate).float())
@@ -178,7 +145,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         found = _EXPERT.search(name)
         if found is not None:
             param, part = _PART[found.group(2)]
-            return f"{name[: found.start()]}.mlp.{param}", f"{part}:{found.group(1)}"
+            return f"{name[: found.start()]}.mlp.experts.{param}", f"{part}:{found.group(1)}"
         router = _ROUTER.search(name)
         if router is not None:
             return name[: router.start()] + ".mlp.router", None
