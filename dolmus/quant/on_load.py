@@ -18,13 +18,16 @@ class QuantizeOnLoad(LinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         device = layer.weight.device
+        self.check_device(device)
+        self.quantize(layer, layer.weight.detach().float())
+        if not layer.weight_shared:  # a tied head's float weight is the embedding's
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=device)
+
+    def check_device(self, device: torch.device) -> None:
         if device.type not in self.devices:
             raise ValueError(f"{type(self).__name__} runs on {' or '.join(self.devices)}, not {device.type}")
         if device.type == "cuda" and not triton_kernels.available():
             raise ValueError("int8/int4 weights on a GPU need Triton (pip install triton)")
-        self.quantize(layer, layer.weight.detach().float())
-        if not layer.weight_shared:  # a tied head's float weight is the embedding's
-            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=device)
 
     @abstractmethod
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from dolmus.quant.checkpoint import Int4Codes
 from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.quant.kernels import int4_kernel
 from dolmus.quant.weight_only import Int4WeightOnlyMethod
+from dolmus.runtime.layers.fused_moe import ExpertWeights, FusedExperts
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
 
@@ -84,6 +85,9 @@ class PrequantizedMethod(LinearMethod):
 
     def head_method(self) -> LinearMethod:
         return PrequantizedMethod(self.inner.head_method(), self.int8_block_activations)
+
+    def quantize_experts(self, experts: FusedExperts) -> ExpertWeights | None:
+        return self.inner.quantize_experts(experts)  # expert blocks arrive dequantized (gguf_loader.py)
 
 
 def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:

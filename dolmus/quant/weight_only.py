@@ -25,13 +25,16 @@ layer at higher precision.
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 
 import torch
 
+from dolmus.quant.experts import QuantizedExpertWeights, quantize_experts
 from dolmus.quant.kernels import int4_kernel, int8_kernel
 from dolmus.quant.on_load import QuantizeOnLoad
 from dolmus.quant.state import Int4State, Int8State
 from dolmus.quant.w8a8 import W8A8DynamicMethod
+from dolmus.runtime.layers.fused_moe import FusedExperts
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod, NativeLinear
 
@@ -56,16 +59,31 @@ class _KernelMethod(QuantizeOnLoad):
         state: Int8State | Int4State = layer.method_state  # type: ignore[assignment]
         return state.kernel.native_linear(state, layer.bias)  # type: ignore[arg-type]
 
+    def quantize_experts(self, experts: FusedExperts) -> QuantizedExpertWeights:
+        self.check_device(experts.w13.device)
+        return quantize_experts(experts, self.quantize_matrix)
+
+    @abstractmethod
+    def quantize_matrix(
+        self, w: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> Int8State | Int4State:
+        """The float32 matrix `w` [N, K] packed for its kernel."""
+
 
 class Int8WeightOnlyMethod(_KernelMethod):
     def __init__(self, native: bool = True) -> None:
         self.native = native  # our AVX-512 kernel for bf16 layers where it builds (native.py)
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        layer.method_state = self.quantize_matrix(w, layer.weight.device, layer.weight.dtype)
+
+    def quantize_matrix(self, w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Int8State:
+        """The float32 matrix `w` [N, K] as int8 codes with a scale per row, laid out for the
+        kernel its device and dtype get (a linear layer's, or one MoE expert's)."""
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
         q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
-        kernel = int8_kernel(layer.weight.device, layer.weight.dtype, self.native, *w.shape)
-        layer.method_state = kernel.pack(q, scale.to(layer.weight.dtype))
+        kernel = int8_kernel(device, dtype, self.native, *w.shape)
+        return kernel.pack(q, scale.to(dtype))
 
 
 class Int4WeightOnlyMethod(_KernelMethod):
@@ -89,18 +107,26 @@ class Int4WeightOnlyMethod(_KernelMethod):
         return W8A8DynamicMethod() if self.head == "w8a8" else self._int8
 
     def quantize(self, layer: Linear, w: torch.Tensor) -> None:
+        state = self.quantize_matrix(w, layer.weight.device, layer.weight.dtype)
+        if isinstance(state, Int8State):
+            layer.method = self._int8  # this layer's compute follows its storage
+        layer.method_state = state
+
+    def quantize_matrix(
+        self, w: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> Int4State | Int8State:
+        """The float32 matrix `w` [N, K] in int4 groups for the kernel its device and dtype get,
+        or int8 (logged) where that kernel cannot take its shape."""
         n, k = w.shape
         g = self.group_size
-        kernel = int4_kernel(layer.weight.device, layer.weight.dtype, self.native)
+        kernel = int4_kernel(device, dtype, self.native)
         if not kernel.accepts(n, k, g):
-            logger.info("int4: a %dx%d layer does not fit groups of %d (or 16 outputs); it is int8", n, k, g)
-            layer.method = self._int8  # this layer's compute follows its storage
-            self._int8.quantize(layer, w)
-            return
+            logger.info("int4: a %dx%d matrix does not fit groups of %d (or 16 outputs); it is int8", n, k, g)
+            return self._int8.quantize_matrix(w, device, dtype)
         # 512 rows at a time: the search's temporaries stay in cache (~4x faster than whole layers)
         parts = [fit_int4_groups(rows.reshape(-1, k // g, g), self.symmetric) for rows in w.split(512)]
         q, scale, zero = (torch.cat(t) for t in zip(*parts))
-        layer.method_state = kernel.pack(q.to(torch.int32).reshape(n, k), scale, zero, g, layer.weight.dtype)
+        return kernel.pack(q.to(torch.int32).reshape(n, k), scale, zero, g, dtype)
 
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)

@@ -7,12 +7,22 @@ for down); tokens are grouped by expert with one sort (no loop over tokens), and
 token chose is not read, so at one token only the chosen experts' weights stream from memory.
 Routers (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) live with their families and hand
 this layer (weights, chosen).
+
+How the experts are stored for compute is an `ExpertWeights` object the layer asks for each
+expert's two products: the float parameters as loaded (`FloatExpertWeights`), or, where the
+linear method quantizes on load (--quantization int8/int4), each expert's matrices packed for
+the same kernels the dense linear layers use (quant/experts.py), so at one token only the
+chosen experts' quantized bytes are read.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
+
+from dolmus.runtime.layers.linear_method import LinearMethod
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,18 +35,57 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return weights, chosen
 
 
-class FusedExperts(nn.Module):
-    """`num_experts` SiLU-gated MLPs of inner size `inner`, stacked."""
+class ExpertWeights(ABC):
+    """One MoE layer's experts as stored for compute: expert e's two products."""
 
-    def __init__(self, num_experts: int, hidden: int, inner: int, dtype: torch.dtype) -> None:
+    @abstractmethod
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, 2 * inner]: the expert's gate outputs, then its up outputs."""
+
+    @abstractmethod
+    def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        """h [n, inner] -> [n, hidden]."""
+
+    def nbytes(self) -> int:
+        """Bytes held outside the layer's parameters (memory accounting)."""
+        return 0
+
+
+class FloatExpertWeights(ExpertWeights):
+    """The stacked parameters in the model dtype, as loaded."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w13[expert])
+
+    def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.w2[expert])
+
+
+class FusedExperts(nn.Module):
+    """`num_experts` SiLU-gated MLPs of inner size `inner`, stacked. `method`: the model's
+    linear method, asked once loaded whether it stores the experts its own way."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inner: int,
+        dtype: torch.dtype,
+        method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts, self.inner = num_experts, inner
+        self.method = method
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner, dtype=dtype), requires_grad=False)
         for param, parts in ((self.w13, ("gate", "up")), (self.w2, ("down",))):
             # filled expert by expert: the loader checks that every (part, expert) arrived
             param.expected_shards = [f"{part}:{e}" for e in range(num_experts) for part in parts]  # type: ignore[attr-defined]
             param.weight_loader = self.load_expert  # type: ignore[attr-defined]
+        self.weights: ExpertWeights = FloatExpertWeights(self.w13, self.w2)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         """Copy one expert's gate, up or down matrix (shard "gate:3": expert 3's gate) into place."""
@@ -50,6 +99,20 @@ class FusedExperts(nn.Module):
         if tuple(loaded.shape) != tuple(target.shape):
             raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         target.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        """Hand the loaded experts to the method's storage, where it has one (the float
+        parameters are then released)."""
+        stored = self.method.quantize_experts(self) if self.method is not None else None
+        if stored is None:
+            return
+        self.weights = stored
+        for param in (self.w13, self.w2):
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def state_bytes(self) -> int:
+        """Weight bytes held outside the parameters (loader.module_bytes counts them)."""
+        return self.weights.nbytes()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and chosen [tokens, k]. Returns the weighted sum of each
@@ -66,9 +129,9 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue  # its weights are not read this step
             rows = tokens[start : start + n]
-            h = torch.nn.functional.linear(x.index_select(0, rows), self.w13[expert])
+            h = self.weights.gate_up(expert, x.index_select(0, rows))
             h = torch.nn.functional.silu(h[:, : self.inner]) * h[:, self.inner :]
-            y = torch.nn.functional.linear(h, self.w2[expert])
+            y = self.weights.down(expert, h)
             out.index_add_(0, rows, y.float() * scale[start : start + n])
             start += n
         return out

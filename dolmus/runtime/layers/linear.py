@@ -126,6 +126,10 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
+    def state_bytes(self) -> int:
+        """Weight bytes its method keeps outside the parameters (`module_bytes` counts them)."""
+        return self.method_state.nbytes() if self.method_state is not None else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         if self.reduce_output:
@@ -166,9 +170,12 @@ def load_plain(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = No
 
 
 def module_bytes(model: nn.Module) -> int:
-    """Bytes of weights as stored for compute: parameters, buffers and the linear layers' states."""
+    """Bytes of weights as stored for compute: parameters, buffers, and what modules keep
+    outside them (a linear layer's method state, quantized experts), which each module that
+    keeps any reports by its `state_bytes()`."""
     total = tensor_bytes(*model.parameters(), *model.buffers())
     for m in model.modules():
-        if isinstance(m, Linear) and m.method_state is not None:
-            total += m.method_state.nbytes()
+        held = getattr(m, "state_bytes", None)
+        if held is not None:
+            total += held()
     return total

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from dolmus.runtime.layers.fused_moe import ExpertWeights, FusedExperts
     from dolmus.runtime.layers.linear import Linear
 
 
@@ -118,3 +119,9 @@ class LinearMethod(ABC):
     def head_method(self) -> LinearMethod:
         """The method for the LM head (a format may keep it at higher precision)."""
         return self
+
+    def quantize_experts(self, experts: FusedExperts) -> ExpertWeights | None:
+        """A Mixture-of-Experts layer's loaded experts in this method's storage (each expert's
+        matrices as a linear layer of this method would keep them), or None: they stay in the
+        model dtype."""
+        return None

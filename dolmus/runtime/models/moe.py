@@ -106,7 +106,7 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         hidden = cfg.hidden_size
         self.router = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=dtype), requires_grad=False)
-        self.experts = FusedExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, dtype)
+        self.experts = FusedExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, dtype, method)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if cfg.shared_expert_intermediate_size:
@@ -152,6 +152,12 @@ class MoEForCausalLM(LlamaForCausalLM):
         if name.endswith(".mlp.shared_expert_gate.weight"):
             return name.removesuffix(".weight"), None
         return fused_name(name)
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        for module in self.modules():
+            if isinstance(module, FusedExperts):
+                module.process_weights_after_loading()
 
     def fused_decoder(self, kv_caches: list, max_rows: int) -> tuple[None, str]:
         return None, "Mixture-of-Experts layers are not in the fused step"
