@@ -51,7 +51,15 @@ _PER_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture-of-Experts layers: the router, Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# the experts, stacked [experts, rows, inputs] in one tensor each: per expert, its matrix
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _IGNORED = ("rope_freqs.weight",)  # recomputed from the config
 _LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 
@@ -71,7 +79,14 @@ def gguf_config(path: Path) -> dict[str, Any]:
             raw = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except Exception as exc:  # transformers raises several kinds for unknown or broken files
         raise ValueError(f"model: cannot read GGUF metadata from {str(path)!r} ({exc})") from exc
-    raw["architectures"] = [registry.architecture_for_gguf(raw.get("model_type")).name]
+    experts = _metadata_int(path, "expert_count") or 0
+    # A file with experts is read by its own type: transformers knows no Mixtral in "llama"
+    # files and renames llama.cpp's "qwen2moe"/"qwen3moe"; without, by transformers' (which
+    # tells a Mistral "llama" file by its name).
+    gguf_type = _file_type(path) if experts else raw.get("model_type")
+    raw["architectures"] = [registry.architecture_for_gguf(gguf_type, experts > 0).name]
+    if experts:
+        raw.update(_expert_fields(path, experts))
     # transformers does not carry the explicit head size over for every architecture (Qwen3
     # falls back to its default of 128): take it from the file.
     head_dim = _metadata_int(path, "attention.key_length")
@@ -170,14 +185,39 @@ def _shared_reader(path: Path, config_only: bool = False) -> Iterator[None]:
         gguf.GGUFReader = original
 
 
+def _file_type(path: Path) -> str | None:
+    field = _reader(path).get_field("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
 def _metadata_int(path: Path, key: str) -> int | None:
-    reader = _reader(path)
-    arch_field = reader.get_field("general.architecture")
-    if arch_field is None:
-        return None
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    field = reader.get_field(f"{arch}.{key}")
+    arch = _file_type(path)
+    field = _reader(path).get_field(f"{arch}.{key}") if arch is not None else None
     return int(field.parts[field.data[0]][0]) if field is not None else None
+
+
+def _expert_fields(path: Path, experts: int) -> dict[str, Any]:
+    """The Mixture-of-Experts config fields of llama.cpp's keys, under both families' names
+    (each family's parser reads its own)."""
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_local_experts": experts,
+        "num_experts_per_tok": _metadata_int(path, "expert_used_count") or 0,
+    }
+    keys = {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    }
+    for key, name in keys.items():
+        value = _metadata_int(path, key)
+        if value:
+            fields[name] = value
+    # llama.cpp renormalizes the top-k weights per architecture (Qwen3-MoE yes, Qwen2-MoE no:
+    # transformers' defaults say the same), unless the file says otherwise
+    norm = _metadata_int(path, "expert_weights_norm")
+    if norm is not None:
+        fields["norm_topk_prob"] = bool(norm)
+    return fields
 
 
 def gguf_tokenizer(path: Path) -> Any:
@@ -246,8 +286,12 @@ def iter_gguf_weights(
             bar.update(1)
         if t.name in _IGNORED:
             continue
-        name = _hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
+        stack = _expert_stack(t.name)
+        if stack is not None:
+            yield from _experts(t, stack, shape, quantized)
+            continue
+        name = _hf_name(t.name)
         type_name = t.tensor_type.name
         blocks = type_name in GGUF_BLOCK_TYPES and len(shape) == 2
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -259,6 +303,8 @@ def iter_gguf_weights(
             quantized.add(type_name)
             array = gguf.quants.dequantize(t.data, t.tensor_type)
             tensor = torch.from_numpy(array.reshape(shape).copy())
+        if name.endswith("shared_expert_gate.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor.reshape(1, -1)  # llama.cpp keeps it as a vector
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if "q_proj" in name else num_kv_heads
             if isinstance(tensor, BlockCodes):  # rows move with their scales
@@ -280,8 +326,41 @@ def iter_gguf_weights(
         )
 
 
+def _expert_stack(gguf_name: str) -> tuple[int, str] | None:
+    """(layer, projection) of a stacked experts tensor's name, or None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_STACKS and parts[3] == "weight":
+        return int(parts[1]), EXPERT_STACKS[parts[2]]
+    return None
+
+
+def _experts(
+    t: Any, stack: tuple[int, str], shape: tuple[int, ...], dequantized: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked experts tensor [experts, rows, inputs] as each expert's matrix, under the
+    Hugging Face name of a Qwen-style checkpoint (which the MoE models route for Mixtral too).
+    Quantized blocks are decoded to float here: the experts then go through the engine's
+    method as a float checkpoint's do (--quantization requantizes them for our kernels)."""
+    import gguf
+
+    if len(shape) != 3:
+        raise ValueError(
+            f"model: GGUF experts tensor {t.name!r} has shape {shape}, not [experts, rows, inputs]"
+        )
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        stacked = torch.from_numpy(t.data.reshape(shape).copy())
+    else:
+        dequantized.add(t.tensor_type.name)
+        stacked = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
+    layer, proj = stack
+    for expert, matrix in enumerate(stacked):
+        yield f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", matrix
+
+
 def hf_to_gguf_name(name: str) -> str:
-    """llama.cpp's name for a Hugging Face tensor name (the inverse of the loading map)."""
+    """llama.cpp's name for a Hugging Face tensor name (the inverse of the loading map; an
+    expert's matrices go into stacked tensors, `EXPERT_STACKS`, and have none of their own)."""
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
     for gguf_name, hf in _GLOBAL.items():
         if name == hf:
             return gguf_name

@@ -163,6 +163,26 @@ class MoEForCausalLM(LlamaForCausalLM):
         return None, "Mixture-of-Experts layers are not in the fused step"
 
 
-register_architecture("MixtralForCausalLM", parse=parse_mixtral, model_cls=MoEForCausalLM)
-register_architecture("Qwen2MoeForCausalLM", parse=parse_qwen2_moe, model_cls=MoEForCausalLM)
-register_architecture("Qwen3MoeForCausalLM", parse=parse_qwen3_moe, model_cls=MoEForCausalLM)
+# llama.cpp writes Mixtral as "llama" with experts (q/k rows interleaved, as Llama's)
+register_architecture(
+    "MixtralForCausalLM",
+    parse=parse_mixtral,
+    model_cls=MoEForCausalLM,
+    gguf_type="llama",
+    gguf_interleaved_qk=True,
+    gguf_experts=True,
+)
+register_architecture(
+    "Qwen2MoeForCausalLM",
+    parse=parse_qwen2_moe,
+    model_cls=MoEForCausalLM,
+    gguf_type="qwen2moe",
+    gguf_experts=True,
+)
+register_architecture(
+    "Qwen3MoeForCausalLM",
+    parse=parse_qwen3_moe,
+    model_cls=MoEForCausalLM,
+    gguf_type="qwen3moe",
+    gguf_experts=True,
+)

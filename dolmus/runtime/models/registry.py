@@ -31,6 +31,8 @@ class Architecture:
     ]  # built as model_cls(cfg, dtype, linear method, backend, max_len, parallel, ops)
     gguf_type: str | None = None  # llama.cpp's `general.architecture` read as this one
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves the q/k rotary halves
+    # ... for files whose `{type}.expert_count` is set (llama.cpp writes Mixtral as "llama")
+    gguf_experts: bool = False
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
@@ -43,13 +45,16 @@ def register_architecture(
     model_cls: type[nn.Module],
     gguf_type: str | None = None,
     gguf_interleaved_qk: bool = False,
+    gguf_experts: bool = False,
 ) -> Architecture:
     """Declare an architecture; called by its family file at import time."""
     if name in _ARCHITECTURES:
         raise ValueError(f"architecture {name!r} is registered twice")
-    if gguf_type is not None and any(a.gguf_type == gguf_type for a in _ARCHITECTURES.values()):
+    if gguf_type is not None and any(
+        (a.gguf_type, a.gguf_experts) == (gguf_type, gguf_experts) for a in _ARCHITECTURES.values()
+    ):
         raise ValueError(f"GGUF architecture {gguf_type!r} is registered twice")
-    arch = Architecture(name, parse, model_cls, gguf_type, gguf_interleaved_qk)
+    arch = Architecture(name, parse, model_cls, gguf_type, gguf_interleaved_qk, gguf_experts)
     _ARCHITECTURES[name] = arch
     return arch
 
@@ -77,14 +82,16 @@ def architecture(name: str) -> Architecture:
         raise ValueError(f"model: architecture {name!r} is not supported; supported: {supported}") from None
 
 
-def architecture_for_gguf(gguf_type: str | None) -> Architecture:
-    """The architecture a GGUF file's `general.architecture` stands for."""
+def architecture_for_gguf(gguf_type: str | None, experts: bool = False) -> Architecture:
+    """The architecture a GGUF file's `general.architecture` stands for (`experts`: the file
+    has Mixture-of-Experts layers)."""
     _import_families()
     for arch in _ARCHITECTURES.values():
-        if arch.gguf_type is not None and arch.gguf_type == gguf_type:
+        if arch.gguf_type is not None and (arch.gguf_type, arch.gguf_experts) == (gguf_type, experts):
             return arch
-    known = sorted(a.gguf_type for a in _ARCHITECTURES.values() if a.gguf_type)
-    raise ValueError(f"model: GGUF architecture {gguf_type!r} is not supported ({', '.join(known)})")
+    known = sorted({a.gguf_type for a in _ARCHITECTURES.values() if a.gguf_type})
+    kind = " with experts" if experts else ""
+    raise ValueError(f"model: GGUF architecture {gguf_type!r}{kind} is not supported ({', '.join(known)})")
 
 
 def model_class(name: str) -> type[nn.Module]:
