@@ -18,6 +18,7 @@ from dolmus.cli import main
 from dolmus.config import DEFAULT_MODEL_DIR, ModelConfig
 from dolmus.quant.experts import QuantizedExpertWeights
 from dolmus.quant.gguf_blocks import BlockCodes
+from dolmus.runtime import native as native_build
 from dolmus.runtime.gguf_loader import iter_gguf_weights
 from dolmus.runtime.layers.fused_moe import FusedExperts
 from tests.helpers import greedy, hf_greedy, hf_logprobs, random_prompts, run_tokens
@@ -143,8 +144,65 @@ def test_q8_0_experts_load_and_stay_close(root: Path, tmp_path: Path) -> None:
     exact = hf_logprobs(src, ids)
     assert float((exact.exp() * (exact - a)).sum(-1).mean()) < 1e-3
 
-    # --quantization int8 requantizes the decoded experts for our kernels; it still generates
-    quantized = LLM(model=str(out), dtype="float32", quantization="int8")
-    layers = [m for m in quantized.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    if native_build.avx2_library() is not None:  # the blocks run as stored, as dense layers' do
+        assert {type(m).__name__ for m in _matrices(ours)} == {"BlockMatrix"}
+
+
+def _matrices(llm: LLM) -> list:
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
     assert layers and all(isinstance(m.weights, QuantizedExpertWeights) for m in layers)
-    assert all(len(t) == 8 for t in run_tokens(quantized, prompts, greedy(8)))
+    return [m for layer in layers for m in (*layer.weights.w13, *layer.weights.w2)]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_expert_blocks_run_on_the_dense_layers_kernels(root: Path, tmp_path: Path, kind: str) -> None:
+    """Each expert matrix takes the kernel a dense layer of its blocks would (float32: the AVX2
+    block kernels; bf16: Q4_0 on the int4 kernel, Q8_0 on the grouped int8 one), computes
+    with the weights the file decodes to, and holds about the file's bytes."""
+    src = _source("mixtral", root)
+    out = _convert(src, tmp_path / f"{kind}.gguf", kind)
+    cfg = ModelConfig.from_dir(out)
+    decoded = dict(iter_gguf_weights(out, cfg.architecture, cfg.num_heads, cfg.num_kv_heads))
+    prompts = random_prompts((1, 12), seed=11)
+    gen = torch.Generator().manual_seed(3)
+    cases = [("float32", "BlockMatrix", native_build.avx2_library() is not None)]
+    bf16 = native_build.cpu_supported() and native_build.library() is not None
+    cases.append(("bfloat16", "KernelMatrix" if kind == "q4_0" else "GroupedInt8Matrix", bf16))
+    for dtype, expected, runs in cases:
+        if not runs:
+            continue
+        llm = LLM(model=str(out), dtype=dtype)
+        assert {type(m).__name__ for m in _matrices(llm)} == {expected}
+        assert all(len(t) == 6 for t in run_tokens(llm, prompts, greedy(6)))
+        layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
+        w13, w2 = layer.weights.dequantize()
+        # the file's decoded weights (bf16 kernels: scales and zeros rounded to bf16)
+        tol = 0 if dtype == "float32" else 0.01
+        for e in range(layer.num_experts):
+            prefix = f"model.layers.0.mlp.experts.{e}"
+            gate_up = torch.cat([decoded[f"{prefix}.{p}_proj.weight"].dequantize() for p in ("gate", "up")])
+            down = decoded[f"{prefix}.down_proj.weight"].dequantize()
+            for ours, file in ((w13[e], gate_up), (w2[e], down)):
+                assert (ours - file).abs().max() <= tol * file.abs().max() + 1e-6
+        twin = FusedExperts(layer.num_experts, 64, layer.inner, getattr(torch, dtype))
+        twin.w13.data, twin.w2.data = w13.to(twin.w13.dtype), w2.to(twin.w2.dtype)
+        x = torch.randn(5, 64, generator=gen).to(twin.w13.dtype)
+        weights, chosen = (
+            torch.rand(5, 2, generator=gen),
+            torch.stack([torch.randperm(4)[:2] for _ in range(5)]),
+        )
+        a, b = layer(x, weights, chosen), twin(x, weights, chosen)
+        assert (a - b).norm() <= (1e-5 if dtype == "float32" else 0.02) * b.norm()
+        # Q8_0: 34 bytes per 32 weights (scales float32 here: 36); Q4_0 about half (and zeros)
+        float_bytes = 3 * 4 * 96 * 64 * 4 * cfg.num_layers  # gate, up, down of 4 experts, fp32
+        held = sum(m.state_bytes() for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
+        assert held <= float_bytes * (0.3 if kind == "q8_0" else 0.2)
+
+
+def test_quantization_requantizes_decoded_expert_blocks(root: Path, tmp_path: Path) -> None:
+    """Where the blocks are decoded (no block kernel placed them: native kernels off), the
+    engine's --quantization takes the decoded experts, as it takes a float checkpoint's."""
+    out = _convert(_source("qwen3_moe", root), tmp_path / "q8_0.gguf", "q8_0")
+    llm = LLM(model=str(out), dtype="float32", quantization="int8", native_kernels=False)
+    assert {type(m.state).__name__ for m in _matrices(llm)} == {"Int8State"}
+    assert all(len(t) == 8 for t in run_tokens(llm, random_prompts((1, 8), seed=4), greedy(8)))

@@ -92,7 +92,7 @@ def test_quantized_experts_compute_with_their_dequantized_weights(moe_dir: Path,
                 layer(x, weights, chosen), twin(x, weights, chosen), rtol=1e-4, atol=1e-4
             )
     # int4: gate/up in int4 groups; Qwen3's down (48 inputs) falls back to int8, as a dense layer would
-    kinds = {type(s).__name__ for e in _experts(quant) for s in (*e.weights.w13, *e.weights.w2)}
+    kinds = {type(m.state).__name__ for e in _experts(quant) for m in (*e.weights.w13, *e.weights.w2)}
     if quantization == "int8":
         assert kinds == {"Int8State"}
     else:
@@ -110,7 +110,7 @@ def test_bf16_experts_run_on_our_kernels(moe_dir: Path, quantization: str) -> No
     quant = LLM(str(moe_dir), dtype="bfloat16", quantization=quantization)
     gen = torch.Generator().manual_seed(1)
     for layer in _experts(quant):
-        kernels = {s.kernel.name for s in (*layer.weights.w13, *layer.weights.w2)}
+        kernels = {m.state.kernel.name for m in (*layer.weights.w13, *layer.weights.w2)}
         assert kernels == {"native"}
         twin = _float_twin(layer, torch.bfloat16)
         x = torch.randn(7, HIDDEN, generator=gen).to(torch.bfloat16)

@@ -171,7 +171,11 @@ def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: 
     """The layer's parts stacked along its output rows. Parts of one form are stacked as they
     are; parts of different types (a Q4_K_M file's Q4_K q/k and Q6_K v), or any under
     `bytes_only`, are widened to the 8-bit form that holds them all (`BlockCodes.widen`)."""
-    ordered = [parts[shard] for shard in layer.shard_offsets]
+    return stack_blocks([parts[shard] for shard in layer.shard_offsets], bytes_only)
+
+
+def stack_blocks(ordered: list[BlockCodes], bytes_only: bool = False) -> BlockCodes:
+    """Weights in blocks stacked along their output rows, in this order (see `stack_parts`)."""
     if bytes_only or len({(p.bits, p.group, p.minimum is None) for p in ordered}) > 1:
         group = min(p.group for p in ordered)
         minima = any(p.minimum is not None for p in ordered)

@@ -21,9 +21,18 @@ import torch
 
 from dolmus.quant import gguf_blocks
 from dolmus.quant.checkpoint import Int4Codes
+from dolmus.quant.experts import (
+    BlockMatrix,
+    ExpertMatrix,
+    GroupedInt8Matrix,
+    KernelMatrix,
+    QuantizedExpertWeights,
+)
 from dolmus.quant.gguf_blocks import BlockCodes
 from dolmus.quant.kernels import int4_kernel
+from dolmus.quant.native import pack_int8_groups
 from dolmus.quant.weight_only import Int4WeightOnlyMethod
+from dolmus.runtime import native as runtime_native
 from dolmus.runtime.layers.fused_moe import ExpertWeights, FusedExperts
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod, LinearState, StoredWeight, tensor_bytes
@@ -87,7 +96,17 @@ class PrequantizedMethod(LinearMethod):
         return PrequantizedMethod(self.inner.head_method(), self.int8_block_activations)
 
     def quantize_experts(self, experts: FusedExperts) -> ExpertWeights | None:
-        return self.inner.quantize_experts(experts)  # expert blocks arrive dequantized (gguf_loader.py)
+        """A GGUF file's expert blocks run as stored where a dense layer's would; else they
+        become the float weight they stand for, and the engine's method goes on from there."""
+        if experts.stored:
+            placed = _experts_as_stored(experts, self.native)
+            if placed is None:
+                for shard, codes in experts.stored.items():
+                    experts.expert_matrix(shard).copy_(codes.dequantize())  # type: ignore[union-attr]
+            experts.stored.clear()
+            if placed is not None:
+                return placed
+        return self.inner.quantize_experts(experts)
 
 
 def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCodes], native: bool) -> bool:
@@ -108,7 +127,7 @@ def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCode
     )
     if not fits:
         return False
-    ordered = [_int4_parts(stored[shard]) for shard in layer.shard_offsets]  # the stacking order
+    ordered = [int4_parts(stored[shard]) for shard in layer.shard_offsets]  # the stacking order
     codes, scale, mid = (torch.cat([p[i] for p in ordered]).to(weight.device) for i in range(3))
     layer.method = Int4WeightOnlyMethod(group, native=True)
     layer.method_state = kernel.pack(codes, scale, mid, group, weight.dtype)
@@ -118,7 +137,7 @@ def _run_as_stored(layer: Linear, stored: dict[str | None, Int4Codes | BlockCode
     return True
 
 
-def _int4_parts(p: Int4Codes | BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_parts(p: Int4Codes | BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [N, K] uint8, scales, and the value of code 8 per group: our int4 kernels' zero
     point, as w = (q - 8) * s + mid. GPTQ/AWQ: (q - z) * s == (q - 8) * s + (8 - z) * s.
     GGUF: q * s + m == (q - 8) * s + (8 s + m), exact for Q4_0 (m = -8 s), one rounding else."""
@@ -150,3 +169,50 @@ def _run_blocks(
     if fits:
         gguf_blocks.place_blocks(layer, parts, int8_x)  # type: ignore[arg-type]
     return fits
+
+
+def _experts_as_stored(experts: FusedExperts, native: bool) -> QuantizedExpertWeights | None:
+    """Every expert's blocks on the kernel a dense layer of them would get, or None where
+    some matrix has none here (or some did not arrive as blocks)."""
+    stored = experts.stored
+    wanted = {f"{part}:{e}" for e in range(experts.num_experts) for part in ("gate", "up", "down")}
+    if stored.keys() != wanted or not all(isinstance(p, BlockCodes) for p in stored.values()):
+        return None
+    device, dtype = experts.w13.device, experts.w13.dtype
+    w13 = [
+        _block_matrix([stored[f"gate:{e}"], stored[f"up:{e}"]], device, dtype, native)
+        for e in range(experts.num_experts)
+    ]  # type: ignore[list-item]
+    w2 = [_block_matrix([stored[f"down:{e}"]], device, dtype, native) for e in range(experts.num_experts)]  # type: ignore[list-item]
+    if any(m is None for m in (*w13, *w2)):
+        return None
+    return QuantizedExpertWeights(w13, w2)  # type: ignore[arg-type]
+
+
+def _block_matrix(
+    parts: list[BlockCodes], device: torch.device, dtype: torch.dtype, native: bool
+) -> ExpertMatrix | None:
+    """One expert matrix (its parts stacked along the rows) in the order of kernels a dense
+    layer's blocks take: the int4 kernel as stored, the grouped int8 kernel (bf16), the AVX2
+    block kernels."""
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    kernel = int4_kernel(device, dtype, native)
+    groups = {p.group for p in parts}
+    group = min(groups)
+    if (
+        kernel.takes_checkpoint_codes
+        and kernel.available()
+        and all(p.bits == 4 for p in parts)
+        and len(groups) == 1
+        and kernel.accepts(n, k, group)
+    ):
+        codes, scale, mid = (torch.cat([int4_parts(p)[i] for p in parts]).to(device) for i in range(3))
+        return KernelMatrix(kernel.pack(codes, scale, mid, group, dtype))
+    cpu = native and device.type == "cpu" and k % gguf_blocks.BLOCK == 0
+    if cpu and dtype == torch.bfloat16 and runtime_native.library() is not None:
+        w = gguf_blocks.stack_blocks(parts, bytes_only=True)
+        packed, scale, zero = pack_int8_groups(w.values(), w.scale, w.minimum)
+        return GroupedInt8Matrix(gguf_blocks.GroupedInt8State(packed, scale, zero, n, w.group))
+    if cpu and runtime_native.avx2_library() is not None:
+        return BlockMatrix(gguf_blocks.pack_lanes(gguf_blocks.stack_blocks(parts)))
+    return None

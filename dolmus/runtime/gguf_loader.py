@@ -289,7 +289,7 @@ def iter_gguf_weights(
         shape = tuple(int(d) for d in reversed(t.shape))
         stack = _expert_stack(t.name)
         if stack is not None:
-            yield from _experts(t, stack, shape, quantized)
+            yield from _experts(t, stack, shape, kept, quantized)
             continue
         name = _hf_name(t.name)
         type_name = t.tensor_type.name
@@ -335,26 +335,36 @@ def _expert_stack(gguf_name: str) -> tuple[int, str] | None:
 
 
 def _experts(
-    t: Any, stack: tuple[int, str], shape: tuple[int, ...], dequantized: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    t: Any, stack: tuple[int, str], shape: tuple[int, ...], kept: set[str], dequantized: set[str]
+) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
     """One stacked experts tensor [experts, rows, inputs] as each expert's matrix, under the
     Hugging Face name of a Qwen-style checkpoint (which the MoE models route for Mixtral too).
-    Quantized blocks are decoded to float here: the experts then go through the engine's
-    method as a float checkpoint's do (--quantization requantizes them for our kernels)."""
+    Blocks of quant/gguf_unpack.py's types stay blocks (run as stored where our kernels run:
+    prequantized.py); other quantized types are decoded to float."""
     import gguf
 
     if len(shape) != 3:
         raise ValueError(
             f"model: GGUF experts tensor {t.name!r} has shape {shape}, not [experts, rows, inputs]"
         )
+    experts, rows, inputs = shape
+    type_name = t.tensor_type.name
+    stacked: torch.Tensor | BlockCodes
     if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         stacked = torch.from_numpy(t.data.reshape(shape).copy())
+    elif type_name in GGUF_BLOCK_TYPES:
+        kept.add(type_name)
+        stacked = from_gguf_blocks(type_name, t.data, (experts * rows, inputs))
     else:
-        dequantized.add(t.tensor_type.name)
+        dequantized.add(type_name)
         stacked = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
     layer, proj = stack
-    for expert, matrix in enumerate(stacked):
-        yield f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", matrix
+    for expert in range(experts):
+        name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+        if isinstance(stacked, BlockCodes):
+            yield name, stacked.narrow(0, expert * rows, rows)
+        else:
+            yield name, stacked[expert]
 
 
 def hf_to_gguf_name(name: str) -> str:

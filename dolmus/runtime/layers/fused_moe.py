@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from dolmus.runtime.layers.linear_method import LinearMethod
+from dolmus.runtime.layers.linear_method import LinearMethod, StoredWeight
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,24 +86,37 @@ class FusedExperts(nn.Module):
             param.expected_shards = [f"{part}:{e}" for e in range(num_experts) for part in parts]  # type: ignore[attr-defined]
             param.weight_loader = self.load_expert  # type: ignore[attr-defined]
         self.weights: ExpertWeights = FloatExpertWeights(self.w13, self.w2)
+        # pre-quantized checkpoint matrices (GGUF blocks) by shard, for the method to place
+        self.stored: dict[str, StoredWeight] = {}
 
-    def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
-        """Copy one expert's gate, up or down matrix (shard "gate:3": expert 3's gate) into place."""
+    def load_expert(
+        self, param: nn.Parameter, loaded: torch.Tensor | StoredWeight, shard: str | None
+    ) -> None:
+        """Copy one expert's gate, up or down matrix (shard "gate:3": expert 3's gate) into place;
+        pre-quantized codes are kept as they came, for the method (`process_weights_after_loading`)."""
         assert shard is not None
-        part, expert = shard.split(":")
-        target = param.data[int(expert)]
-        if part == "gate":
-            target = target[: self.inner]
-        elif part == "up":
-            target = target[self.inner :]
+        target = self.expert_matrix(shard)
         if tuple(loaded.shape) != tuple(target.shape):
             raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(loaded)
+        if isinstance(loaded, torch.Tensor):
+            target.copy_(loaded)
+        else:
+            self.stored[shard] = loaded
+
+    def expert_matrix(self, shard: str) -> torch.Tensor:
+        """The float parameter's view that shard "gate:3" (expert 3's gate rows) fills."""
+        part, expert = shard.split(":")
+        target = (self.w2 if part == "down" else self.w13).data[int(expert)]
+        if part == "gate":
+            return target[: self.inner]
+        return target[self.inner :] if part == "up" else target
 
     def process_weights_after_loading(self) -> None:
         """Hand the loaded experts to the method's storage, where it has one (the float
         parameters are then released)."""
         stored = self.method.quantize_experts(self) if self.method is not None else None
+        if self.stored:
+            raise ValueError(f"{type(self.method).__name__} cannot place pre-quantized expert weights")
         if stored is None:
             return
         self.weights = stored
