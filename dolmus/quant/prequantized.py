@@ -11,6 +11,8 @@ and state. Kernels, in order of preference:
 - for the other GGUF blocks in bf16 layers, quant_kernels.c's grouped int8 kernel (AVX-512
   BF16), the codes widened to bytes (gguf_blocks.GroupedInt8Method);
 - else block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
+A Mixture-of-Experts layer's GGUF expert blocks (kept by FusedExperts as they load) take the same
+kernels per expert matrix (quant/experts.py), or become float weights where none runs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,13 @@ BF16, the IQ types, ...) is dequantized to float on load (add --quantization to 
 those for our kernels). The file's type maps to a
 registered architecture (runtime/models/registry.py); names map back to Hugging Face's,
 and where the architecture says llama.cpp interleaves the q/k rotary halves (Llama,
-Mistral) those rows are permuted back to Hugging Face's halves.
+Mistral, Mixtral) those rows are permuted back to Hugging Face's halves.
+
+Mixture-of-Experts files (`{arch}.expert_count` set: "llama" as Mixtral, "qwen2moe",
+"qwen3moe") keep each layer's experts in three stacked tensors, `ffn_{gate,up,down}_exps`
+[experts, rows, inputs]; they are split into each expert's matrix under Hugging Face's
+names (blocks stay blocks), beside the router `ffn_gate_inp` and Qwen2-MoE's shared expert
+(`ffn_*_shexp`) and its gate (`ffn_gate_inp_shexp`, a vector in the file).
 """
 
 from __future__ import annotations

@@ -9,9 +9,13 @@ expert (a dense MLP every token goes through) scaled by a sigmoid gate of its ow
 The experts themselves run as a group (runtime/layers/fused_moe.py): one product per active
 expert over the tokens routed to it; at one token only the chosen experts' weights are read.
 
-Not yet: tensor and expert parallelism (refused at load), GGUF MoE files; under --quantization
-the attention, dense, shared-expert and head layers are quantized and the experts stay in the
-model dtype.
+Under --quantization int8/int4 the experts are quantized on load too, each expert's matrices
+on the dense layers' kernels (quant/experts.py; fp8 and w8a8 keep them in the model dtype).
+GGUF files: llama.cpp's Mixtral ("llama" with `expert_count`), "qwen2moe" and "qwen3moe", whose
+stacked expert tensors gguf_loader.py splits per expert; their blocks run as stored where a
+dense layer's would (quant/prequantized.py).
+
+Not yet: tensor and expert parallelism (refused at load).
 """
 
 from __future__ import annotations
