@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import TOKENIZER_FILES
@@ -206,3 +207,37 @@ def test_quantization_requantizes_decoded_expert_blocks(root: Path, tmp_path: Pa
     llm = LLM(model=str(out), dtype="float32", quantization="int8", native_kernels=False)
     assert {type(m.state).__name__ for m in _matrices(llm)} == {"Int8State"}
     assert all(len(t) == 8 for t in run_tokens(llm, random_prompts((1, 8), seed=4), greedy(8)))
+
+
+def test_per_expert_tensors_of_early_mixtral_files_load(root: Path, tmp_path: Path) -> None:
+    """llama.cpp's first Mixtral files kept one tensor per expert (blk.N.ffn_gate.E.weight):
+    the same model rewritten that way gives the same log-probabilities."""
+    src = _source("mixtral", root)
+    stacked = _convert(src, tmp_path / "stacked.gguf", "q8_0")
+    reader = gguf.GGUFReader(str(stacked))
+    out = tmp_path / "per-expert.gguf"
+    writer = gguf.GGUFWriter(str(out), reader.get_field("general.architecture").contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    for t in reader.tensors:
+        array = np.array(t.data)
+        if "_exps." not in t.name:
+            writer.add_tensor(t.name, array, raw_dtype=t.tensor_type)
+            continue
+        blk, layer, kind, _ = t.name.split(".")
+        for expert, matrix in enumerate(array):  # Q8_0 rows: [experts, rows, bytes]
+            writer.add_tensor(f"{blk}.{layer}.{kind[:-5]}.{expert}.weight", matrix, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert "blk.1.ffn_down.3.weight" in names and "blk.1.ffn_down_exps.weight" not in names
+    ids = random_prompts((20,), seed=12)[0]
+    a = LLM(model=str(out), dtype="float32").engine.prompt_logprobs(ids)
+    torch.testing.assert_close(
+        a, LLM(model=str(stacked), dtype="float32").engine.prompt_logprobs(ids), rtol=0, atol=0
+    )

@@ -66,6 +66,7 @@ _PER_LAYER = {
 }
 # the experts, stacked [experts, rows, inputs] in one tensor each: per expert, its matrix
 EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_LEGACY_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _IGNORED = ("rope_freqs.weight",)  # recomputed from the config
 _LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 
@@ -395,4 +396,7 @@ def _hf_name(name: str) -> str:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_LAYER:
         return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in _LEGACY_EXPERT and parts[3].isdigit():
+        # llama.cpp's first Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_LEGACY_EXPERT[parts[2]]}.{parts[4]}"
     raise ValueError(f"model: GGUF tensor {name!r} has no Hugging Face counterpart here")
