@@ -15,6 +15,8 @@ from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
 from dolmus.config import (
+    SPECULATIVE_METHODS,
+    SPECULATIVE_MODEL_METHODS,
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
@@ -190,7 +192,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_speculative_config,
         default=d.speculative_config,
         help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}; methods '
+        f'{", ".join(SPECULATIVE_METHODS)}; {", ".join(SPECULATIVE_MODEL_METHODS)} take "model": the '
+        "draft model's, EAGLE-3 head's or Medusa heads' folder",
     )
     g.add_argument(
         "--kv-events-config",

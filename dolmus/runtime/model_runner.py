@@ -38,8 +38,10 @@ from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.medusa_drafter import MedusaDrafter
 from dolmus.runtime.models.eagle3 import load_eagle3
 from dolmus.runtime.models.llama_decode import FusedDecoder
+from dolmus.runtime.models.medusa import load_medusa
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
@@ -176,6 +178,7 @@ class ModelRunner:
         method = spec.method if spec is not None else None
         self.drafter = self._load_draft(spec, max_model_len) if method == "draft_model" else None
         self.eagle = self._load_eagle(spec, max_model_len) if method == "eagle3" else None
+        self.medusa = self._load_medusa(spec) if method == "medusa" else None
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
@@ -267,6 +270,22 @@ class ModelRunner:
         self.model.capture_layers = head.aux_layers
         logger.info("EAGLE-3 head: %s (reads layers %s)", spec.model, head.aux_layers)
         return EagleDrafter(head)
+
+    def _load_medusa(self, spec: SpeculativeConfig) -> MedusaDrafter:
+        """Medusa heads on the target's device and dtype, reading its final hidden states."""
+        heads = load_medusa(
+            Path(spec.model),  # type: ignore[arg-type]
+            self.model_config,
+            spec.num_speculative_tokens,
+            self.dtype,
+            self.device,
+            make_linear_method(False, native_kernels=self.config.native_kernels),
+        )
+        if not heads.lm_heads:
+            heads.target_head = self.model.compute_logits
+        logger.info("Medusa heads: %s (%d heads)", spec.model, heads.num_heads)
+        rows = self.config.max_num_seqs
+        return MedusaDrafter(heads, rows, self.model_config.hidden_size, self.dtype, self.device)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
@@ -419,7 +438,7 @@ class ModelRunner:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
             self._free_rows.append(seq.row)
-        for extra in (self.drafter, self.eagle):
+        for extra in (self.drafter, self.eagle, self.medusa):
             if extra is not None:
                 extra.forget(request_id)
 
@@ -449,6 +468,8 @@ class ModelRunner:
         if asked:  # slots the draft model or head fills in
             if self.drafter is not None:
                 found = self.drafter.propose(asked, self._prepare, self._fused_decode, self._choose_drafts)
+            elif self.medusa is not None:
+                found = self.medusa.propose(asked, self._choose_drafts)
             else:
                 assert self.eagle is not None, "draft slots without a draft model or head"
                 found = self.eagle.propose(asked, self._prepare, self._choose_drafts)
@@ -552,6 +573,12 @@ class ModelRunner:
                 if self.drafter is not None:
                     self.drafter.checked(rid, seq.num_computed_tokens)
             seq.token_ids.extend(tokens)
+        if self.medusa is not None:  # the state that gave each request's last token
+            last_rows = []
+            for rid, tokens in result.sampled.items():
+                window = rows_of[rid][-(len(drafts.get(rid, ())) + 1) :]
+                last_rows.append((rid, self.sequences[rid], window[len(tokens) - 1]))
+            self.medusa.keep(last_rows, hidden)
         if self.eagle is not None and self.model.captured is not None:
             # the head over what the target kept: every chunk position, a window's accepted part
             spans = []
