@@ -87,11 +87,11 @@ def _write(folder: Path, tensors: dict, config: dict, torch_file: str | None = N
     return folder
 
 
-def _vllm_config(**extra) -> dict:
+def _vllm_config(hidden_size: int = 64, **extra) -> dict:
     return {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
-        "hidden_size": 64,
+        "hidden_size": hidden_size,
         "vocab_size": 512,
         "num_heads": NUM_HEADS,
         "num_hidden_layers": NUM_LAYERS,
@@ -181,27 +181,31 @@ def test_unseeded_sampling_verifies_the_heads_draws_by_rejection(llama_dir: Path
 
 @torch.no_grad()
 def test_the_heads_read_the_targets_final_hidden_state(llama_dir: Path, fitted):
-    """After the prefill and after each window, the kept state is transformers' final hidden
-    state at the position before the last token, and the heads' logits on it are the residual
-    blocks and LM heads of the checkpoint written out."""
+    """After the prefill and after each window (fully accepted for a fitted prompt, mostly
+    rejected for another, batched together), the kept state is transformers' final hidden state
+    at the position before the last token, and the heads' logits on it are the residual blocks
+    and LM heads of the checkpoint written out."""
     heads, tensors, _, _ = fitted
     llm = _medusa(llama_dir, heads)
     runner = llm.engine.runner
     hf = _hf(llama_dir)
-    llm.engine.add_request("r", random_prompts((9,), seed=14)[0], greedy(12))
-    for _ in range(4):
+    llm.engine.add_request("fitted", PROMPTS[0], greedy(NEW))
+    llm.engine.add_request("other", random_prompts((9,), seed=14)[0], greedy(NEW))
+    for _ in range(3):
         llm.engine.step()
-        ((rid, seq),) = runner.sequences.items()
-        drafter = runner.medusa
-        assert drafter.position[rid] == len(seq.token_ids) - 2
-        kept = drafter.hidden[seq.row]
-        expected = hf.model(torch.tensor([seq.token_ids[:-1]])).last_hidden_state[0, -1]
-        torch.testing.assert_close(kept, expected, atol=1e-4, rtol=0)
-        logits = drafter.heads(kept.unsqueeze(0), NUM_HEADS)[:, 0]
-        for i in range(NUM_HEADS):
-            reference = _blocks(expected, tensors, i) @ tensors[f"lm_heads.{i}.weight"].T
-            torch.testing.assert_close(logits[i], reference, atol=1e-3, rtol=0)
-    assert llm.engine.stats().spec_num_drafts >= 3
+        assert len(runner.sequences) == 2
+        for rid, seq in runner.sequences.items():
+            drafter = runner.medusa
+            assert drafter.position[rid] == len(seq.token_ids) - 2
+            kept = drafter.hidden[seq.row]
+            expected = hf.model(torch.tensor([seq.token_ids[:-1]])).last_hidden_state[0, -1]
+            torch.testing.assert_close(kept, expected, atol=1e-4, rtol=0)
+            logits = drafter.heads(kept.unsqueeze(0), NUM_HEADS)[:, 0]
+            for i in range(NUM_HEADS):
+                reference = _blocks(expected, tensors, i) @ tensors[f"lm_heads.{i}.weight"].T
+                torch.testing.assert_close(logits[i], reference, atol=1e-3, rtol=0)
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts == 4 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
 def test_faster_decoding_layout_and_a_shared_lm_head(llama_dir: Path, fitted, plain: LLM, tmp_path):
@@ -308,3 +312,29 @@ def test_the_cli_takes_medusa_like_the_other_methods(fitted):
     args = build_parser().parse_args(["serve", "--speculative-config", text])
     spec = engine_config_from_args(args).speculative_config
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("medusa", heads, 2)
+
+
+def test_windows_run_in_the_fused_decode_step_with_the_modules_bits(model_root: Path, tmp_path):
+    """The fused decode step (int8 weights on our kernels) returns the final hidden states the
+    heads read, as the modules do: the same tokens and log-probabilities either way."""
+    from conftest import build_model_dir
+
+    from dolmus.runtime import native
+
+    if not native.cpu_supported() or native.find_compiler() is None:
+        pytest.skip("the fused decode step needs an x86-64 CPU with AVX-512 BF16 and a C compiler")
+    target = build_model_dir("llama-wide", model_root)
+    tensors, _, _ = _fit_heads(target)
+    heads = _write(tmp_path / "wide", tensors, _vllm_config(hidden_size=128))
+    kw = dict(dtype="bfloat16", quantization="int8", speculative_config={**SPEC, "model": str(heads)})
+    fused, modules = LLM(str(target), **kw), LLM(str(target), **kw, fused_decode=False)
+    assert fused.engine.runner.fused_decoder is not None
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+    prompts = PROMPTS + random_prompts((5, 30), seed=13)
+    outputs = [
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        for llm in (fused, modules)
+    ]
+    assert outputs[0] == outputs[1]
+    assert fused.engine.runner.fused_steps >= 5
+    assert fused.engine.stats().spec_num_accepted_tokens > 0
