@@ -81,10 +81,10 @@ def build_moe_dir(arch: str, folder: Path) -> Path:
     """`moe_config(arch)` with random weights, saved with the built-in model's 512-token tokenizer."""
     import shutil
 
+    from conftest import TOKENIZER_FILES
     from transformers import AutoModelForCausalLM
 
     from dolmus.config import DEFAULT_MODEL_DIR
-    from conftest import TOKENIZER_FILES
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(moe_config(arch), dtype=torch.float32).save_pretrained(folder)

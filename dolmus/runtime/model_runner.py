@@ -33,8 +33,8 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.draft_model import DraftModel
-from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.eagle_drafter import EagleDrafter
+from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight

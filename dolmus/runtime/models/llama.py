@@ -149,7 +149,14 @@ class MLP(nn.Module):
             gated=True,
         )
         self.down_proj = Linear(
-            size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel, reduce_output=reduce_output
+            size,
+            cfg.hidden_size,
+            False,
+            dtype,
+            method,
+            style=row,
+            parallel=parallel,
+            reduce_output=reduce_output,
         )
         self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
 
