@@ -136,3 +136,20 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_dir: Path, tmp
         ValueError, match=r"num_experts \(5\) does not split evenly over tensor_parallel_size 2"
     ):
         LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+
+
+def test_replicas_expert_counts_add_up_layer_by_layer() -> None:
+    """Data-parallel replicas' stats merge: the counts of each (layer, expert) are added."""
+    from dataclasses import MISSING, fields
+
+    from dolmus.engine.data_parallel import merge_stats
+    from dolmus.engine.stats import EngineStats
+
+    required = {
+        f.name: 0 for f in fields(EngineStats) if f.default is MISSING and f.default_factory is MISSING
+    }
+    a = EngineStats(**required, moe_expert_tokens=[[1, 2, 3], [], [4, 0, 0]])
+    b = EngineStats(**required, moe_expert_tokens=[[10, 0, 5], [], [0, 0, 6]])
+    merged = merge_stats([a, b])
+    assert merged.moe_expert_tokens == [[11, 2, 8], [], [4, 0, 6]]
+    assert merged.moe_load_imbalance == {0: pytest.approx(11 / 7), 2: pytest.approx(6 / (10 / 3))}
