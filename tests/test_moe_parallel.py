@@ -153,3 +153,47 @@ def test_replicas_expert_counts_add_up_layer_by_layer() -> None:
     merged = merge_stats([a, b])
     assert merged.moe_expert_tokens == [[11, 2, 8], [], [4, 0, 6]]
     assert merged.moe_load_imbalance == {0: pytest.approx(11 / 7), 2: pytest.approx(6 / (10 / 3))}
+
+
+@pytest.mark.parametrize("moe_dir", ["qwen2_moe"], indirect=True)
+def test_a_rank_holds_and_reads_only_its_share_of_the_experts(moe_dir: Path) -> None:
+    """Built per rank without a process group: under expert parallelism rank r expects and reads
+    experts [3r, 3r + 3) whole; under tensor parallelism every expert's r-th half of the inner
+    features (gate/up rows, down columns)."""
+    from dolmus.config import ModelConfig
+    from dolmus.distributed.parallel_config import ParallelConfig
+    from dolmus.runtime.layers.unquantized import UnquantizedLinearMethod
+    from dolmus.runtime.loader import iter_weights, safetensors_files
+    from dolmus.runtime.models.llama import expected_weights
+    from dolmus.runtime.models.moe import MoEForCausalLM
+
+    cfg = ModelConfig.from_dir(moe_dir)
+    files = safetensors_files(moe_dir)
+    state = dict(iter_weights(files))
+    gate = state["model.layers.2.mlp.experts.4.gate_proj.weight"]  # [48, 64]
+    down = state["model.layers.2.mlp.experts.4.down_proj.weight"]  # [64, 48]
+    for rank in range(2):
+        model = MoEForCausalLM(
+            cfg, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(rank, 2, True)
+        )
+        mine = set(range(3 * rank, 3 * rank + 3))
+        shards = {s for n, s in expected_weights(model) if n == "model.layers.0.mlp.experts.w13"}
+        assert shards == {f"{part}:{e}" for e in mine for part in ("gate", "up")}
+        read = [name for name, _ in iter_weights(files, keep=model.keeps_weight)]
+        experts_read = {int(re.search(r"experts\.(\d+)\.", n).group(1)) for n in read if ".experts." in n}  # type: ignore[union-attr]
+        assert experts_read == mine and len(read) < len(state)
+        model.load_weights(iter_weights(files, keep=model.keeps_weight))  # nothing of its own missing
+        model.load_weights(state.items())  # other ranks' experts in the stream are skipped, not refused
+        experts = model.model.layers[2].mlp.experts
+        assert experts.w13.shape == (3, 96, 64)
+        if 4 in mine:
+            assert torch.equal(experts.w13[4 - 3, :48], gate) and torch.equal(experts.w2[4 - 3], down)
+
+        model = MoEForCausalLM(
+            cfg, torch.float32, UnquantizedLinearMethod(), None, 64, ParallelConfig(rank, 2)
+        )
+        model.load_weights(state.items())
+        experts = model.model.layers[2].mlp.experts
+        assert experts.w13.shape == (6, 48, 64)
+        half = slice(24 * rank, 24 * rank + 24)
+        assert torch.equal(experts.w13[4, :24], gate[half]) and torch.equal(experts.w2[4], down[:, half])

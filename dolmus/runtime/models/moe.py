@@ -147,6 +147,17 @@ class MoEForCausalLM(LlamaForCausalLM):
         dense = set(cfg.dense_layers)
         return lambda i: None if i in dense else SparseMoE(cfg, dtype, method, parallel, ops)
 
+    def keeps_weight(self, name: str) -> bool:
+        """Whether this rank reads a checkpoint tensor: not another rank's expert's (expert
+        parallelism), which the loader then skips unread."""
+        found = _EXPERT.search(name)
+        if found is None:
+            return True
+        experts = next(
+            (m for m in self.modules() if isinstance(m, FusedExperts)), None
+        )  # alike in every layer
+        return experts is None or 0 <= int(found.group(1)) - experts.first_expert < experts.local_experts
+
     def route_weight(self, name: str) -> tuple[str, str | None]:
         found = _EXPERT.search(name)
         if found is not None:
