@@ -153,9 +153,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         found = _EXPERT.search(name)
         if found is None:
             return True
-        experts = next(
-            (m for m in self.modules() if isinstance(m, FusedExperts)), None
-        )  # alike in every layer
+        # every MoE layer holds the same experts: ask the first
+        experts = next((m for m in self.modules() if isinstance(m, FusedExperts)), None)
         return experts is None or 0 <= int(found.group(1)) - experts.first_expert < experts.local_experts
 
     def route_weight(self, name: str) -> tuple[str, str | None]:
