@@ -161,6 +161,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_parallel_args(g, d)
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=d.enable_expert_parallel,
+        help="Mixture-of-Experts layers: whole experts on each tensor-parallel rank (num_experts / "
+        "--tensor-parallel-size each) instead of a slice of every expert",
+    )
+    g.add_argument(
         "--distributed-timeout",
         type=float,
         default=d.distributed_timeout,

@@ -373,6 +373,10 @@ class EngineConfig:
     # joined by torch.distributed (gloo on CPU, NCCL on CUDA). On CPU the host's cores and KV
     # budget are split evenly between the ranks on it.
     tensor_parallel_size: int = 1
+    # Mixture-of-Experts layers over those ranks: whole experts on each rank (num_experts /
+    # tensor_parallel_size of them) instead of a slice of every expert (vLLM's
+    # --enable-expert-parallel); attention and dense layers stay tensor-parallel.
+    enable_expert_parallel: bool = False
     # Hosts the ranks span (tensor_parallel_size / nnodes on each) and this host's index: the
     # engine runs on host 0 (`dolmus serve`), the others run `dolmus worker`.
     nnodes: int = 1

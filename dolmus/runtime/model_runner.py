@@ -34,6 +34,7 @@ from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchL
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.draft_model import DraftModel
 from dolmus.runtime.eagle_drafter import EagleDrafter
+from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
@@ -98,7 +99,7 @@ class RunnerSpec:
             self,
             device=device,
             progress=self.progress and not rank,
-            parallel=ParallelConfig(rank, world_size),
+            parallel=ParallelConfig(rank, world_size, self.config.enable_expert_parallel),
             local_ranks=local_ranks,
         )
 
@@ -192,6 +193,7 @@ class ModelRunner:
             if extra is not None:
                 extra.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
         self.weight_bytes = module_bytes(self.model)
+        self.expert_load = ExpertLoad.of(self.model, model_config.num_layers)  # None: no MoE layers
         self.step_tokens = self._suited_step_tokens(device)
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
@@ -447,11 +449,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         connector = self.kv_connector
-        if connector is None:
-            return self._execute(plan)
-        connector.start(plan.kv_transfer)
+        if connector is not None:
+            connector.start(plan.kv_transfer)
         result = self._execute(plan)
-        result.kv_loaded = connector.finish(idle=plan.empty)
+        if connector is not None:
+            result.kv_loaded = connector.finish(idle=plan.empty)
+        if self.expert_load is not None:
+            result.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
         return result
 
     def close(self) -> None:
@@ -660,6 +664,8 @@ class ModelRunner:
         seq = _Sequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
         table = torch.tensor([block_ids], dtype=torch.long)
         ids, positions, meta = self._prepare([(seq, num_computed, num_new)], 0, table)
+        if self.expert_load is not None:
+            self.expert_load.note_pass()
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     def _prepare(

@@ -7,12 +7,35 @@ for down); tokens are grouped by expert with one sort (no loop over tokens), and
 token chose is not read, so at one token only the chosen experts' weights stream from memory.
 Routers (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) live with their families and hand
 this layer (weights, chosen).
+
+Over tensor-parallel ranks (`ParallelConfig`) a rank holds one of two shares, and returns its
+partial sum for the caller to all-reduce once per layer (with a shared expert's row-parallel
+partial, when there is one):
+
+- tensor parallelism (the default): every expert's slice of the inner features, as the dense
+  MLP splits (gate and up rows, down columns); every rank computes every routed expert.
+- expert parallelism (`enable_expert_parallel`): whole experts, rank r the r-th contiguous
+  block of num_experts / tp_size. Every rank routes all its tokens (the activations are the
+  same on every rank under tensor parallelism) and computes only its own experts' weighted
+  outputs. Summing those over the ranks is exactly what an all-to-all dispatch and combine
+  would produce: dispatch would send each token to the ranks holding its chosen experts, but
+  every rank already holds every token, so nothing needs to move before the experts; combine
+  would send each expert output back to its token's rank and sum over the top k, which, since
+  every rank wants every token's sum, is an all-reduce of the ranks' partial outputs. An
+  all-to-all becomes the cheaper exchange only once the ranks hold different tokens
+  (data-parallel attention), which dolmus does not have.
+
+The routed-token counts each step computes anyway are kept, cumulative, per expert
+(`tokens_routed`, every expert's on every rank: routing is replicated, so any rank's counts,
+rank 0's, are the whole layer's), for the engine's expert-load metrics (runtime/expert_load.py).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,43 +49,78 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
 
 
 class FusedExperts(nn.Module):
-    """`num_experts` SiLU-gated MLPs of inner size `inner`, stacked."""
+    """`num_experts` SiLU-gated MLPs of inner size `inner`, stacked: this rank's share of them
+    (see the module's docstring). `inner` is this rank's inner features, `first_expert` and
+    `local_experts` the experts it holds."""
 
-    def __init__(self, num_experts: int, hidden: int, inner: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inner: int,
+        dtype: torch.dtype,
+        parallel: ParallelConfig = SINGLE_RANK,
+    ) -> None:
         super().__init__()
-        self.num_experts, self.inner = num_experts, inner
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner, dtype=dtype), requires_grad=False)
+        self.num_experts, self.hidden, self.full_inner = num_experts, hidden, inner
+        if parallel.enable_expert_parallel and parallel.tp_size > 1:
+            if num_experts % parallel.tp_size:
+                raise ValueError(
+                    f"expert parallelism: num_experts ({num_experts}) does not split evenly over "
+                    f"tensor_parallel_size {parallel.tp_size}; choose a size that divides it, or turn "
+                    "enable_expert_parallel off (each rank then holds a slice of every expert)"
+                )
+            self.first_expert, self.local_experts = parallel.split(num_experts, "num_experts")
+            self.inner_start, self.inner = 0, inner
+        else:
+            self.first_expert, self.local_experts = 0, num_experts
+            self.inner_start, self.inner = parallel.split(inner, "moe_intermediate_size")
+        local, inner = self.local_experts, self.inner
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inner, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inner, dtype=dtype), requires_grad=False)
+        mine = range(self.first_expert, self.first_expert + local)
         for param, parts in ((self.w13, ("gate", "up")), (self.w2, ("down",))):
-            # filled expert by expert: the loader checks that every (part, expert) arrived
-            param.expected_shards = [f"{part}:{e}" for e in range(num_experts) for part in parts]  # type: ignore[attr-defined]
+            # filled expert by expert: the loader checks that every (part, expert) of this rank arrived
+            param.expected_shards = [f"{part}:{e}" for e in mine for part in parts]  # type: ignore[attr-defined]
             param.weight_loader = self.load_expert  # type: ignore[attr-defined]
+        # tokens routed to each expert (all of them, this rank's or not) since load
+        self.register_buffer("tokens_routed", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
-        """Copy one expert's gate, up or down matrix (shard "gate:3": expert 3's gate) into place."""
+        """Copy one expert's gate, up or down matrix (shard "gate:3": expert 3's gate) into place:
+        this rank's slice of it, nothing when another rank holds the expert."""
         assert shard is not None
-        part, expert = shard.split(":")
-        target = param.data[int(expert)]
+        part, name = shard.split(":")
+        expert = int(name) - self.first_expert
+        if not 0 <= expert < self.local_experts:
+            return  # another rank's (expert parallelism)
+        full = (self.hidden, self.full_inner) if part == "down" else (self.full_inner, self.hidden)
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {full}")
+        target = param.data[expert]
         if part == "gate":
             target = target[: self.inner]
         elif part == "up":
             target = target[self.inner :]
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"expert weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        if self.inner != self.full_inner:  # tensor parallelism: this rank's inner features
+            loaded = loaded.narrow(1 if part == "down" else 0, self.inner_start, self.inner)
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and chosen [tokens, k]. Returns the weighted sum of each
-        token's experts' outputs, float32 [tokens, hidden]."""
+        token's experts' outputs, float32 [tokens, hidden]: this rank's part of it."""
         top_k = chosen.shape[1]
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = torch.bincount(flat, minlength=self.num_experts)
+        self.tokens_routed += routed
+        counts = routed.tolist()
         tokens = order // top_k
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, n in enumerate(counts):
+        first = self.first_expert
+        start = sum(counts[:first])  # the pairs routed to earlier ranks' experts come first
+        for expert, n in enumerate(counts[first : first + self.local_experts]):
             if n == 0:
                 continue  # its weights are not read this step
             rows = tokens[start : start + n]
