@@ -15,6 +15,8 @@ from dolmus.bench.bench import add_bench_args, run_bench
 from dolmus.bench.replay import add_replay_args, run_replay
 from dolmus.bench.tune import add_tune_args, run_tune
 from dolmus.config import (
+    SPECULATIVE_METHODS,
+    SPECULATIVE_MODEL_METHODS,
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
@@ -159,6 +161,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_parallel_args(g, d)
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=d.enable_expert_parallel,
+        help="Mixture-of-Experts layers: whole experts on each tensor-parallel rank (num_experts / "
+        "--tensor-parallel-size each) instead of a slice of every expert",
+    )
+    g.add_argument(
         "--distributed-timeout",
         type=float,
         default=d.distributed_timeout,
@@ -190,7 +199,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_speculative_config,
         default=d.speculative_config,
         help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": null}; methods '
+        f'{", ".join(SPECULATIVE_METHODS)}; {", ".join(SPECULATIVE_MODEL_METHODS)} take "model": the '
+        "draft model's, EAGLE-3 head's or Medusa heads' folder",
     )
     g.add_argument(
         "--kv-events-config",

@@ -93,7 +93,9 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "medusa")
+# the methods whose drafts come from a model or heads in `model`
+SPECULATIVE_MODEL_METHODS = ("draft_model", "eagle3", "medusa")
 
 
 _Config = TypeVar("_Config")
@@ -127,7 +129,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10_000
     # draft_model: the draft's folder or GGUF file (same tokenizer as the target), and how to
     # quantize its weights on load (None: as stored; e.g. "int4" makes a copy of the target a
-    # cheap draft); eagle3: the head's folder (the public EAGLE-3 checkpoint layout)
+    # cheap draft); eagle3: the head's folder (the public EAGLE-3 checkpoint layout); medusa:
+    # the heads' folder (vLLM's or FasterDecoding's layout; num_speculative_tokens <= heads)
     model: str | None = None
     quantization: str | None = None
 
@@ -145,10 +148,10 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                 f"and {self.prompt_lookup_max}"
             )
-        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+        if (self.method in SPECULATIVE_MODEL_METHODS) != (self.model is not None):
             raise ValueError(
-                "speculative_config: 'model' (the draft model, or the EAGLE-3 head's folder) goes with "
-                "methods draft_model and eagle3, and only with them"
+                "speculative_config: 'model' (the draft model, or the EAGLE-3 head's or Medusa heads' "
+                "folder) goes with methods draft_model, eagle3 and medusa, and only with them"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -370,6 +373,10 @@ class EngineConfig:
     # joined by torch.distributed (gloo on CPU, NCCL on CUDA). On CPU the host's cores and KV
     # budget are split evenly between the ranks on it.
     tensor_parallel_size: int = 1
+    # Mixture-of-Experts layers over those ranks: whole experts on each rank (num_experts /
+    # tensor_parallel_size of them) instead of a slice of every expert (vLLM's
+    # --enable-expert-parallel); attention and dense layers stay tensor-parallel.
+    enable_expert_parallel: bool = False
     # Hosts the ranks span (tensor_parallel_size / nnodes on each) and this host's index: the
     # engine runs on host 0 (`dolmus serve`), the others run `dolmus worker`.
     nnodes: int = 1

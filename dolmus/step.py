@@ -121,6 +121,9 @@ class StepResult(msgspec.Struct):
     # Per request of the plan's loads: how many of its blocks, from the first, every rank
     # loaded and verified (the rest stay to be computed).
     kv_loaded: dict[str, int] = {}
+    # A Mixture-of-Experts model's tokens routed to each expert since load, per decoder layer
+    # (an empty row for a dense one); only now and then (runtime/expert_load.py), else None.
+    moe_expert_tokens: list[list[int]] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -50,6 +50,49 @@ def hf_logprobs(folder: Path, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def moe_config(arch: str):
+    """A tiny Mixture-of-Experts config: mixtral, qwen2_moe (a shared expert with its gate, plain
+    top-k, one dense layer) or qwen3_moe; 6 experts of which each token picks 2."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=6)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(
+            **common, num_experts=6, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+            norm_topk_prob=False, mlp_only_layers=[1],
+        )  # fmt: skip
+    return Qwen3MoeConfig(**common, num_experts=6, moe_intermediate_size=48, norm_topk_prob=True)
+
+
+def build_moe_dir(arch: str, folder: Path) -> Path:
+    """`moe_config(arch)` with random weights, saved with the built-in model's 512-token tokenizer."""
+    import shutil
+
+    from conftest import TOKENIZER_FILES
+    from transformers import AutoModelForCausalLM
+
+    from dolmus.config import DEFAULT_MODEL_DIR
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(arch), dtype=torch.float32).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return folder
+
+
 def greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 

@@ -241,3 +241,28 @@ def test_per_expert_tensors_of_early_mixtral_files_load(root: Path, tmp_path: Pa
     torch.testing.assert_close(
         a, LLM(model=str(stacked), dtype="float32").engine.prompt_logprobs(ids), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_expert_blocks_over_two_ranks_give_one_ranks_tokens(root: Path, expert_parallel: bool) -> None:
+    """Each rank keeps its share of the blocks as stored (a slice of every expert's inner
+    features in whole blocks, or whole experts): the same weights as one rank, so the same
+    tokens and logits."""
+    out = root / "qwen3_moe-q8_0.gguf"
+    if not out.exists():
+        _convert(_source("qwen3_moe", root), out, "q8_0")
+    prompts = random_prompts((3, 17, 40), seed=13)
+    one = LLM(model=str(out), dtype="float32", max_num_batched_tokens=32)
+    want, want_logprobs = run_tokens(one, prompts, greedy(12)), one.engine.prompt_logprobs(prompts[-1])
+    two = LLM(
+        model=str(out),
+        dtype="float32",
+        max_num_batched_tokens=32,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    try:
+        assert run_tokens(two, prompts, greedy(12)) == want
+        torch.testing.assert_close(two.engine.prompt_logprobs(prompts[-1]), want_logprobs, atol=1e-4, rtol=0)
+    finally:
+        two.engine.shutdown()

@@ -141,3 +141,25 @@ def test_float_runs_keep_float_experts(moe_dir: Path) -> None:
     llm = LLM(str(moe_dir), dtype="float32")
     assert all(isinstance(e.weights, FloatExpertWeights) for e in _experts(llm))
     assert make_linear_method(False).quantize_experts(_experts(llm)[0]) is None
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_quantized_experts_over_two_ranks(moe_dir: Path, expert_parallel: bool) -> None:
+    """Each rank quantizes its own share (a slice of every expert, or whole experts); the
+    result stays near one rank's (the row-parallel matrices' scales now span half their rows)."""
+    ids = random_prompts((30,), seed=8)[0]
+    one = LLM(str(moe_dir), dtype="float32", quantization="int8").engine.prompt_logprobs(ids)
+    two = LLM(
+        str(moe_dir),
+        dtype="float32",
+        quantization="int8",
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    try:
+        assert all(len(t) == 6 for t in run_tokens(two, random_prompts((1, 9), seed=2), greedy(6)))
+        theirs = two.engine.prompt_logprobs(ids)
+        kl = float((one.exp() * (one - theirs)).sum(-1).mean())
+        assert kl < 1e-4
+    finally:
+        two.engine.shutdown()

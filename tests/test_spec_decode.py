@@ -247,7 +247,7 @@ def test_worker_process_executor_verifies_drafts_too(plain: LLM):
 
 def test_bad_speculative_configs_are_refused():
     for raw, message in [
-        ({"method": "medusa"}, "method must be one of"),
+        ({"method": "lookahead"}, "method must be one of"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"draft": 3}, "unknown keys"),

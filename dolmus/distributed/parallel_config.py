@@ -1,5 +1,8 @@
 """Which tensor-parallel rank a model is built for: plain data, passed explicitly.
 
+`enable_expert_parallel`: Mixture-of-Experts layers split their experts over the ranks (each
+holds whole experts) instead of every expert's inner features (runtime/layers/fused_moe.py).
+
 The loader hands it to the model, the model to each of its parallel layers; nothing reads
 it from a global. One rank (the default) makes every split the whole.
 """
@@ -31,6 +34,7 @@ class PartSlice:
 class ParallelConfig:
     tp_rank: int = 0
     tp_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

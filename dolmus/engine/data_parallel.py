@@ -85,8 +85,7 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
                     total[k] = total.get(k, 0) + n
             merged[f.name] = total
         elif isinstance(values[0], list):
-            width = max(len(v) for v in values)
-            merged[f.name] = [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+            merged[f.name] = _add_elementwise(values)
         else:
             merged[f.name] = sum(values)
     merged["kv_usage"] = merged["kv_blocks_used"] / max(1, merged["kv_blocks_total"])
@@ -95,6 +94,13 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
     merged["busy_prefill_seconds"] /= len(parts)
     merged["busy_decode_seconds"] /= len(parts)
     return EngineStats(**merged)
+
+
+def _add_elementwise(values: Sequence[list]) -> list:
+    """Lists (of numbers, or of such lists: per-layer expert counts) added position by position."""
+    width = max(len(v) for v in values)
+    columns = [[v[i] for v in values if i < len(v)] for i in range(width)]
+    return [_add_elementwise(c) if isinstance(c[0], list) else sum(c) for c in columns]
 
 
 class DataParallelClient:

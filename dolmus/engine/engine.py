@@ -33,7 +33,7 @@ from dolmus.runtime import native
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
-from dolmus.step import StepPlan
+from dolmus.step import StepPlan, StepResult
 from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,10 @@ class Engine:
         self._finished_by_reason: dict[str, int] = {}
         self._busy_prefill = 0.0
         self._busy_decode = 0.0
+        # a Mixture-of-Experts model's routed tokens per layer and expert, as last reported, and
+        # whether the model ran since (the runner reports now and then: runtime/expert_load.py)
+        self._moe_expert_tokens: list[list[int]] = []
+        self._moe_unreported = False
 
     @property
     def runner(self) -> ModelRunner:
@@ -290,6 +294,8 @@ class Engine:
         )
         self._attach_grammar_bitmask(sched)
         result = self.executor.execute(sched.plan)
+        self._moe_unreported |= bool(self.model_config.num_experts) and not sched.plan.empty
+        self._take_expert_load(result)
         updated = self.scheduler.update(sched, result)
         self._fail_transfers()
 
@@ -323,6 +329,7 @@ class Engine:
             # Going idle: the last step's saves (a disk tier's newest blocks) go now, not whenever
             # the next request comes.
             self._run_transfers()
+        self._flush_expert_load()
         self._publish_kv_events()
         elapsed = time.monotonic() - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
@@ -357,7 +364,20 @@ class Engine:
         """A step of transfers only, outside the step loop; loads it sees end are applied."""
         assert self.connector is not None
         result = self.executor.execute(StepPlan(kv_transfer=self.connector.take_transfer()))
+        self._take_expert_load(result)
         self.scheduler.apply_load_report(result.kv_loaded)
+
+    def _take_expert_load(self, result: StepResult) -> None:
+        if result.moe_expert_tokens is not None:
+            self._moe_expert_tokens = result.moe_expert_tokens
+            self._moe_unreported = False
+
+    def _flush_expert_load(self) -> None:
+        """Going idle after running an MoE model: an empty plan brings the runner's latest
+        expert counts, so the stats are exact whenever nothing runs (one message per idle spell)."""
+        if self._moe_unreported and not self._groups:
+            self._take_expert_load(self.executor.execute(StepPlan()))
+            self._moe_unreported = False
 
     def _fail_transfers(self) -> None:
         """Requests whose prompt KV could not be fetched from their prefill worker end with an
@@ -493,6 +513,8 @@ class Engine:
         finally:
             self.kv.free(request)
             self._publish_kv_events()  # the scored prompt's blocks stay cached
+        self._moe_unreported = bool(self.model_config.num_experts)
+        self._flush_expert_load()
         logits = torch.cat(chunks)
         return torch.log_softmax(logits.float(), dim=-1)
 
@@ -556,6 +578,7 @@ class Engine:
             spec_accepted_per_position=list(spec.accepted_per_position),
             spec_fallbacks=dict(spec.fallbacks),
             preemption_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            moe_expert_tokens=self._moe_expert_tokens,
             **self._connector_stats(),
         )
 

@@ -301,6 +301,7 @@ class _StatsCollector(Collector):
         for reason, count in sorted(s.spec_fallbacks.items()):
             fallbacks.add_metric([self._model, reason], count)
         yield fallbacks
+        yield from _expert_load(s, self._model)
         yield counter(
             "dolmus:queue_timeouts",
             "Requests refused (429) after waiting past their tier's max_queue_wait.",
@@ -369,6 +370,31 @@ class _StatsCollector(Collector):
                 "Busy cost per 1M generated tokens at --gpu-hour-cost.",
                 output * 1e6,
             )
+
+
+def _expert_load(s: EngineStats, model: str) -> Iterator[Metric]:
+    """A Mixture-of-Experts model's routed tokens by layer and expert (layers x experts series:
+    a bounded set), and each layer's imbalance; nothing for a dense model."""
+    if not s.moe_expert_tokens:
+        return
+    routed = CounterMetricFamily(
+        "dolmus:moe_expert_tokens",
+        "Tokens routed to each expert of each Mixture-of-Experts layer (a token counts once per "
+        "expert it chose: top_k times per layer).",
+        labels=["model_name", "layer", "expert"],
+    )
+    for layer, row in enumerate(s.moe_expert_tokens):
+        for expert, tokens in enumerate(row):
+            routed.add_metric([model, str(layer), str(expert)], tokens)
+    yield routed
+    imbalance = GaugeMetricFamily(
+        "dolmus:moe_load_imbalance",
+        "Per Mixture-of-Experts layer: its busiest expert's tokens over the mean per expert (1: even).",
+        labels=["model_name", "layer"],
+    )
+    for layer, ratio in s.moe_load_imbalance.items():
+        imbalance.add_metric([model, str(layer)], ratio)
+    yield imbalance
 
 
 class _ReplicaCollector(Collector):

@@ -55,6 +55,21 @@ class EngineStats:
     kv_transfer_loaded_tokens: int = 0
     kv_transfer_failed_loads: int = 0
     kv_transfer_exported_blocks: int = 0
+    # Mixture-of-Experts models: tokens routed to each expert since start, per decoder layer (an
+    # empty row for a dense layer), as last reported by the runner (runtime/expert_load.py:
+    # exact once the engine is idle, at most a few steps behind while it is busy).
+    moe_expert_tokens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def moe_load_imbalance(self) -> dict[int, float]:
+        """Per MoE layer that has routed tokens: its busiest expert's tokens over the mean per
+        expert: 1.0 perfectly even, num_experts / top_k at worst (every token to the same k)."""
+        out = {}
+        for layer, row in enumerate(self.moe_expert_tokens):
+            total = sum(row)
+            if total:
+                out[layer] = max(row) * len(row) / total
+        return out
 
 
 @dataclass

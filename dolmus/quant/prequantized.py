@@ -177,15 +177,13 @@ def _experts_as_stored(experts: FusedExperts, native: bool) -> QuantizedExpertWe
     """Every expert's blocks on the kernel a dense layer of them would get, or None where
     some matrix has none here (or some did not arrive as blocks)."""
     stored = experts.stored
-    wanted = {f"{part}:{e}" for e in range(experts.num_experts) for part in ("gate", "up", "down")}
+    held = range(experts.first_expert, experts.first_expert + experts.local_experts)  # this rank's
+    wanted = {f"{part}:{e}" for e in held for part in ("gate", "up", "down")}
     if stored.keys() != wanted or not all(isinstance(p, BlockCodes) for p in stored.values()):
         return None
     device, dtype = experts.w13.device, experts.w13.dtype
-    w13 = [
-        _block_matrix([stored[f"gate:{e}"], stored[f"up:{e}"]], device, dtype, native)
-        for e in range(experts.num_experts)
-    ]  # type: ignore[list-item]
-    w2 = [_block_matrix([stored[f"down:{e}"]], device, dtype, native) for e in range(experts.num_experts)]  # type: ignore[list-item]
+    w13 = [_block_matrix([stored[f"gate:{e}"], stored[f"up:{e}"]], device, dtype, native) for e in held]  # type: ignore[list-item]
+    w2 = [_block_matrix([stored[f"down:{e}"]], device, dtype, native) for e in held]  # type: ignore[list-item]
     if any(m is None for m in (*w13, *w2)):
         return None
     return QuantizedExpertWeights(w13, w2)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -41,7 +41,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    files: list[Path], progress: bool = False, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, by name; `keep`: only those it accepts are read (a rank skips
+    other ranks' experts under expert parallelism)."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -54,7 +58,8 @@ def iter_weights(files: list[Path], progress: bool = False) -> Iterator[tuple[st
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, handle.get_tensor(name)
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
@@ -95,17 +100,17 @@ def load_model(
     """Build the architecture's model for this tensor-parallel rank and fill it from `folder`.
     `int8_block_activations`: GGUF 8-bit blocks on the AVX2 kernels round x to int8 (gguf_blocks.matmul)."""
     gguf = is_gguf(folder)
-    if gguf:
-        weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
-    else:
-        weights = iter_weights(safetensors_files(folder), progress)
     fmt = checkpoint_format(cfg.quantization_config)
-    if fmt is not None:
-        weights = unpack_stream(fmt, weights)
     if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)
         method = PrequantizedMethod(method, int8_block_activations)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, method, backend, max_len, parallel, ops)
+    if gguf:
+        weights = iter_gguf_weights(folder, cfg.architecture, cfg.num_heads, cfg.num_kv_heads, progress)
+    else:
+        weights = iter_weights(safetensors_files(folder), progress, getattr(model, "keeps_weight", None))
+    if fmt is not None:
+        weights = unpack_stream(fmt, weights)
     model.load_weights(weights)
     model.process_weights_after_loading()
     model.eval()

@@ -34,12 +34,15 @@ from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchL
 from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
 from dolmus.runtime.draft_model import DraftModel
 from dolmus.runtime.eagle_drafter import EagleDrafter
+from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.medusa_drafter import MedusaDrafter
 from dolmus.runtime.models.eagle3 import load_eagle3
 from dolmus.runtime.models.llama_decode import FusedDecoder
+from dolmus.runtime.models.medusa import load_medusa
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
@@ -96,7 +99,7 @@ class RunnerSpec:
             self,
             device=device,
             progress=self.progress and not rank,
-            parallel=ParallelConfig(rank, world_size),
+            parallel=ParallelConfig(rank, world_size, self.config.enable_expert_parallel),
             local_ranks=local_ranks,
         )
 
@@ -176,6 +179,7 @@ class ModelRunner:
         method = spec.method if spec is not None else None
         self.drafter = self._load_draft(spec, max_model_len) if method == "draft_model" else None
         self.eagle = self._load_eagle(spec, max_model_len) if method == "eagle3" else None
+        self.medusa = self._load_medusa(spec) if method == "medusa" else None
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
@@ -189,6 +193,7 @@ class ModelRunner:
             if extra is not None:
                 extra.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
         self.weight_bytes = module_bytes(self.model)
+        self.expert_load = ExpertLoad.of(self.model, model_config.num_layers)  # None: no MoE layers
         self.step_tokens = self._suited_step_tokens(device)
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
@@ -267,6 +272,22 @@ class ModelRunner:
         self.model.capture_layers = head.aux_layers
         logger.info("EAGLE-3 head: %s (reads layers %s)", spec.model, head.aux_layers)
         return EagleDrafter(head)
+
+    def _load_medusa(self, spec: SpeculativeConfig) -> MedusaDrafter:
+        """Medusa heads on the target's device and dtype, reading its final hidden states."""
+        heads = load_medusa(
+            Path(spec.model),  # type: ignore[arg-type]
+            self.model_config,
+            spec.num_speculative_tokens,
+            self.dtype,
+            self.device,
+            make_linear_method(False, native_kernels=self.config.native_kernels),
+        )
+        if not heads.lm_heads:
+            heads.target_head = self.model.compute_logits
+        logger.info("Medusa heads: %s (%d heads)", spec.model, heads.num_heads)
+        rows = self.config.max_num_seqs
+        return MedusaDrafter(heads, rows, self.model_config.hidden_size, self.dtype, self.device)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
@@ -419,7 +440,7 @@ class ModelRunner:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
             self._free_rows.append(seq.row)
-        for extra in (self.drafter, self.eagle):
+        for extra in (self.drafter, self.eagle, self.medusa):
             if extra is not None:
                 extra.forget(request_id)
 
@@ -428,11 +449,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         connector = self.kv_connector
-        if connector is None:
-            return self._execute(plan)
-        connector.start(plan.kv_transfer)
+        if connector is not None:
+            connector.start(plan.kv_transfer)
         result = self._execute(plan)
-        result.kv_loaded = connector.finish(idle=plan.empty)
+        if connector is not None:
+            result.kv_loaded = connector.finish(idle=plan.empty)
+        if self.expert_load is not None:
+            result.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
         return result
 
     def close(self) -> None:
@@ -449,6 +472,8 @@ class ModelRunner:
         if asked:  # slots the draft model or head fills in
             if self.drafter is not None:
                 found = self.drafter.propose(asked, self._prepare, self._fused_decode, self._choose_drafts)
+            elif self.medusa is not None:
+                found = self.medusa.propose(asked, self._choose_drafts)
             else:
                 assert self.eagle is not None, "draft slots without a draft model or head"
                 found = self.eagle.propose(asked, self._prepare, self._choose_drafts)
@@ -552,6 +577,12 @@ class ModelRunner:
                 if self.drafter is not None:
                     self.drafter.checked(rid, seq.num_computed_tokens)
             seq.token_ids.extend(tokens)
+        if self.medusa is not None:  # the state that gave each request's last token
+            last_rows = []
+            for rid, tokens in result.sampled.items():
+                window = rows_of[rid][-(len(drafts.get(rid, ())) + 1) :]
+                last_rows.append((rid, self.sequences[rid], window[len(tokens) - 1]))
+            self.medusa.keep(last_rows, hidden)
         if self.eagle is not None and self.model.captured is not None:
             # the head over what the target kept: every chunk position, a window's accepted part
             spans = []
@@ -633,6 +664,8 @@ class ModelRunner:
         seq = _Sequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
         table = torch.tensor([block_ids], dtype=torch.long)
         ids, positions, meta = self._prepare([(seq, num_computed, num_new)], 0, table)
+        if self.expert_load is not None:
+            self.expert_load.note_pass()
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     def _prepare(

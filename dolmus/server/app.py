@@ -169,6 +169,7 @@ class ServerState:
                 "speculative": None if spec is None else dataclasses.asdict(spec),
                 "engine_core": self.server_config.engine_core,
                 "tensor_parallel_size": config.tensor_parallel_size,
+                "enable_expert_parallel": config.enable_expert_parallel,
                 "data_parallel_size": self.server_config.data_parallel_size,
                 "tiers": list(self.access.tiers),
             },

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from dolmus.config import SpeculativeConfig
+from dolmus.config import SPECULATIVE_MODEL_METHODS, SpeculativeConfig
 
 # A draft slot the runner's draft model fills in (runtime/draft_model.py): the scheduler
 # decides how many drafts a request gets, the runner what they are.
@@ -152,9 +152,9 @@ class SuffixProposer:
 
 
 class DraftModelSlots:
-    """draft_model and eagle3: the drafts come from a small model or a head the runner holds
-    next to the target (runtime/draft_model.py, runtime/eagle_drafter.py); here only their
-    number is decided, so slots stand for them."""
+    """draft_model, eagle3 and medusa: the drafts come from a small model or heads the runner
+    holds next to the target (runtime/draft_model.py, eagle_drafter.py, medusa_drafter.py);
+    here only their number is decided, so slots stand for them."""
 
     drafts_in_runner = True
 
@@ -170,6 +170,6 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
-    if config.method in ("draft_model", "eagle3"):
+    if config.method in SPECULATIVE_MODEL_METHODS:
         return DraftModelSlots()
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -41,6 +41,9 @@ class Linear(nn.Module):
 
     A `gated` layer is an MLP's gate and up projections, its output's two halves; its
     `forward_silu_and_mul` gives SiLU(gate) * up, which a method may fuse into the product.
+
+    `reduce_output=False`: a row-parallel layer returns its rank's partial sum, for a caller that
+    adds it to others before one all-reduce (a MoE layer's shared expert and its experts).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Linear(nn.Module):
         parallel: ParallelConfig = SINGLE_RANK,
         gated: bool = False,
         gather_output: bool = False,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         self.gated = gated
@@ -63,7 +67,7 @@ class Linear(nn.Module):
         self.style, self.parallel = style, parallel
         tp = parallel.tp_size
         row, column = style is ParallelStyle.ROW, style is ParallelStyle.COLUMN
-        self.reduce_output = row and tp > 1
+        self.reduce_output = reduce_output and row and tp > 1
         # a column-parallel layer whose ranks' outputs are concatenated (a vocab-parallel head)
         self.gather_output = gather_output and column and tp > 1
         self.in_features = parallel.split(in_features, "input features")[1] if row else in_features

@@ -130,7 +130,10 @@ class MLP(nn.Module):
         method: LinearMethod,
         parallel: ParallelConfig,
         ops: LayerOps,
+        reduce_output: bool = True,
     ) -> None:
+        """`reduce_output=False`: under tensor parallelism the output is this rank's partial sum
+        (the caller all-reduces it with others)."""
         super().__init__()
         self.ops = ops
         size = cfg.intermediate_size
@@ -145,7 +148,16 @@ class MLP(nn.Module):
             parallel=parallel,
             gated=True,
         )
-        self.down_proj = Linear(size, cfg.hidden_size, False, dtype, method, style=row, parallel=parallel)
+        self.down_proj = Linear(
+            size,
+            cfg.hidden_size,
+            False,
+            dtype,
+            method,
+            style=row,
+            parallel=parallel,
+            reduce_output=reduce_output,
+        )
         self.size = self.gate_up_proj.out_features // 2  # this rank's share of the inner features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,16 @@ expert (a dense MLP every token goes through) scaled by a sigmoid gate of its ow
 The experts themselves run as a group (runtime/layers/fused_moe.py): one product per active
 expert over the tokens routed to it; at one token only the chosen experts' weights are read.
 
-Under --quantization int8/int4 the experts are quantized on load too, each expert's matrices
-on the dense layers' kernels (quant/experts.py; fp8 and w8a8 keep them in the model dtype).
-GGUF files: llama.cpp's Mixtral ("llama" with `expert_count`), "qwen2moe" and "qwen3moe", whose
-stacked expert tensors gguf_loader.py splits per expert; their blocks run as stored where a
-dense layer's would (quant/prequantized.py).
+Under tensor parallelism the router (and a shared expert's gate) is whole on every rank, the
+experts are split as fused_moe.py describes (a slice of every expert's inner features, or whole
+experts with expert parallelism), and a shared expert is column/row split like the dense MLP;
+the experts' and the shared expert's partial sums meet in one all-reduce per layer.
 
-Not yet: tensor and expert parallelism (refused at load).
+Under --quantization int8/int4 the experts are quantized on load too, each expert's matrices
+(this rank's share) on the dense layers' kernels (quant/experts.py; fp8 and w8a8 keep them in
+the model dtype). GGUF files: llama.cpp's Mixtral ("llama" with `expert_count`), "qwen2moe" and
+"qwen3moe", whose stacked expert tensors gguf_loader.py splits per expert; their blocks run as
+stored where a dense layer's would (quant/prequantized.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from dolmus.config import ModelConfig, parse_common_fields
+from dolmus.distributed.collectives import tensor_parallel_all_reduce
 from dolmus.distributed.parallel_config import ParallelConfig
 from dolmus.runtime.layers.fused_moe import FusedExperts, softmax_top_k
 from dolmus.runtime.layers.linear_method import LinearMethod
@@ -108,14 +112,18 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
+        self.parallel = parallel
         hidden = cfg.hidden_size
         self.router = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=dtype), requires_grad=False)
-        self.experts = FusedExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, dtype, method)
+        self.experts = FusedExperts(
+            cfg.num_experts, hidden, cfg.moe_intermediate_size, dtype, parallel, method
+        )
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if cfg.shared_expert_intermediate_size:
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
-            self.shared_expert = MLP(shared, dtype, method, parallel, ops)
+            # its partial sum joins the experts' in the layer's one all-reduce
+            self.shared_expert = MLP(shared, dtype, method, parallel, ops, reduce_output=False)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,9 +132,12 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, chosen)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
+            # the gate reads the whole x (the same on every rank), so it scales each rank's
+            # partial sum as it would scale their total
             gate = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate).float())
             out += gate * self.shared_expert(x).float()
-        return out.to(x.dtype)
+        # summed over the ranks in the model dtype, as the dense layers' row-parallel outputs are
+        return tensor_parallel_all_reduce(out.to(x.dtype), self.parallel)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -138,12 +149,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         parallel: ParallelConfig,
         ops: LayerOps,
     ) -> Callable[[int], nn.Module | None] | None:
-        if parallel.tp_size > 1:
-            raise ValueError(
-                f"{cfg.architecture}: Mixture-of-Experts layers do not run under tensor parallelism yet"
-            )
         dense = set(cfg.dense_layers)
         return lambda i: None if i in dense else SparseMoE(cfg, dtype, method, parallel, ops)
+
+    def keeps_weight(self, name: str) -> bool:
+        """Whether this rank reads a checkpoint tensor: not another rank's expert's (expert
+        parallelism), which the loader then skips unread."""
+        found = _EXPERT.search(name)
+        if found is None:
+            return True
+        # every MoE layer holds the same experts: ask the first
+        experts = next((m for m in self.modules() if isinstance(m, FusedExperts)), None)
+        return experts is None or 0 <= int(found.group(1)) - experts.first_expert < experts.local_experts
 
     def route_weight(self, name: str) -> tuple[str, str | None]:
         found = _EXPERT.search(name)
