@@ -304,7 +304,7 @@ def test_malformed_json_unknown_route_and_big_body(server: RemoteServer) -> None
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="not-this-one", prompt="hi")
     assert info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
