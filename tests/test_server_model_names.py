@@ -87,7 +87,7 @@ def test_short_name_path_alias_and_unknown_name_through_openai(gguf_file, tmp_pa
         assert raw.json() == {
             "error": {
                 "message": f"model 'no-such-model' is not served here; this server serves '{SHORT}'",
-                "type": "not_found_error",
+                "type": "invalid_request_error",
                 "param": "model",
                 "code": "model_not_found",
             }

@@ -120,7 +120,7 @@ class Serving:
     def __init__(
         self,
         engine: AsyncEngine | EngineCoreClient | DataParallelClient,
-        names: ModelNames | str,
+        names: ModelNames,
         chat_template: str | None = None,
         max_waiting: int | None = None,
         max_n: int = ServerConfig.max_n,
@@ -128,7 +128,7 @@ class Serving:
     ) -> None:
         self.engine = engine
         self.gpu_hour_cost = gpu_hour_cost
-        self.names = names if isinstance(names, ModelNames) else ModelNames(names)
+        self.names = names
         self.model_name = self.names.served
         self.chat_template = chat_template
         self.max_waiting = max_waiting
