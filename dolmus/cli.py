@@ -376,8 +376,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--served-model-name",
         default=None,
-        help="model name clients see (default: the folder's name, or the GGUF's general.name else "
-        "its file stem); the --model path is accepted in requests too",
+        help="model name clients see (default: the folder's name, or the GGUF's file stem); the "
+        "--model path is accepted in requests too",
     )
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or DOLMUS_API_KEY)")
     g.add_argument(

@@ -1,4 +1,4 @@
-"""Served model names: a short default name (folder name, GGUF general.name, else file stem),
+"""Served model names: a short default name (folder name, GGUF file stem),
 the --model path still accepted, and a clear 404 for any other name."""
 
 from __future__ import annotations
@@ -12,46 +12,29 @@ from server_helpers import RemoteServer
 
 from dolmus.cli import main
 from dolmus.config import DEFAULT_MODEL_DIR
-from dolmus.runtime.gguf_header import gguf_string
 from dolmus.server.model_names import BUILT_IN_NAME, ModelNames, short_name
 
-SHORT = "tiny-stories"
+SHORT = "tiny-stories.F32"
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory: pytest.TempPathFactory):
-    """stories260k as a GGUF whose general.name ("tiny-stories", the source folder's name as
-    `dolmus convert` writes it) differs from its file stem."""
+    """stories260k as a GGUF in a folder of its own."""
     root = tmp_path_factory.mktemp("names")
-    src = root / SHORT
+    src = root / "tiny-stories"
     shutil.copytree(DEFAULT_MODEL_DIR, src, ignore=shutil.ignore_patterns("__init__.py", "__pycache__"))
-    out = root / "weights" / "model-f32.gguf"
+    out = root / "weights" / f"{SHORT}.gguf"
     out.parent.mkdir()
     assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", "f32"]) == 0
     return out
 
 
-def test_default_names(llama_dir, gguf_file, tmp_path) -> None:
-    assert gguf_string(gguf_file, "general.name") == SHORT
-    assert short_name(str(gguf_file)) == SHORT  # general.name wins over the stem
+def test_default_names(llama_dir, gguf_file) -> None:
+    assert short_name(str(gguf_file)) == SHORT  # the stem, not general.name ("tiny-stories")
     assert short_name(str(llama_dir)) == llama_dir.name
     assert short_name(f"{llama_dir}/") == llama_dir.name
     assert ModelNames.for_model(None).served == BUILT_IN_NAME
     assert ModelNames.for_model(str(DEFAULT_MODEL_DIR)).served == BUILT_IN_NAME
-
-    # a GGUF without general.name: the file stem
-    from gguf import GGUFWriter
-
-    bare = tmp_path / "bare-model.Q8_0.gguf"
-    writer = GGUFWriter(str(bare), "llama")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    assert gguf_string(bare, "general.name") is None
-    assert short_name(str(bare)) == "bare-model.Q8_0"
-    truncated = tmp_path / "cut.gguf"
-    truncated.write_bytes(gguf_file.read_bytes()[:40])
-    assert short_name(str(truncated)) == "cut"
 
     names = ModelNames.for_model(str(gguf_file))
     assert names.served == SHORT and names.accepts(str(gguf_file)) and names.accepts(str(gguf_file.resolve()))

@@ -3,7 +3,8 @@
 `dolmus serve --model /models/SmolLM2/SmolLM2-135M-Instruct.Q4_1.gguf` used to serve the
 model as that path: clients (and the chat page's model picker) showed the server's folders.
 The served name now defaults to a short one: the folder's name for a Hugging Face folder,
-a GGUF file's `general.name` metadata if it has one (else the file's stem), and
+a GGUF file's stem (what its user named it, quantization suffix included, as Ollama's and
+llama.cpp's users know their files; `general.name` is free text, often with spaces), and
 "stories260k" for the built-in model. `--served-model-name` still wins. The path as given
 (and as resolved) stays accepted in a request's `model` field, so clients written against
 the old name keep working.
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dolmus.config import DEFAULT_MODEL_DIR
-from dolmus.runtime.gguf_header import gguf_string
 
 BUILT_IN_NAME = "stories260k"  # the built-in model (dolmus/default_model), however it is named
 
@@ -41,14 +41,13 @@ class ModelNames:
 
 
 def short_name(model: str) -> str:
-    """A model's default served name: the GGUF's `general.name` or stem, the folder's name;
+    """A model's default served name: the GGUF's file stem, the folder's name;
     anything else (not a path here) as given."""
     path = Path(model)
     if path.resolve() == DEFAULT_MODEL_DIR.resolve():
         return BUILT_IN_NAME
     if path.is_file() and path.suffix == ".gguf":
-        name = gguf_string(path, "general.name")
-        return name.strip() if name and name.strip() else path.stem
+        return path.stem
     if path.is_dir():
         return path.resolve().name or model
     return model
