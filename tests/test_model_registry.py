@@ -59,7 +59,13 @@ def test_each_architecture_parses_its_own_facts() -> None:
     assert not _parse("Qwen2ForCausalLM", attention_bias=False).attention_bias
     # Qwen2 carries a window it only uses when asked; Mistral's is real.
     assert (mistral.sliding_window, qwen2.sliding_window) == (256, None)
-    assert _parse("Qwen2ForCausalLM", use_sliding_window=True).sliding_window == 256
+    # ... and then in the layers from max_window_layers on (transformers' default: 28)
+    windowed = _parse("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=0)
+    assert (windowed.sliding_window, windowed.kv_window) == (256, 256)
+    mixed = _parse("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1)
+    assert [mixed.window_of(i) for i in range(2)] == [None, 256] and mixed.kv_window is None
+    assert _parse("Qwen2ForCausalLM", use_sliding_window=True).sliding_window is None
+    assert llama.sliding_window is None  # transformers' Llama ignores the field
     # The shared fields come out the same for every architecture.
     assert {c.architecture for c in (llama, mistral, qwen2, qwen3)} == set(DENSE)
     mixtral = _parse("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)

@@ -5,8 +5,8 @@ The decode kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads ea
 of a plain cache in place: no gathers, no padding, one call per decode group (~3x faster than gather +
 SDPA at batch 1, ~5x at 32 sequences). The prefill kernel (prefill_attention.c) takes every
 prompt chunk of the step in one call, also from the cache in place (~2x faster than SDPA on a
-128-token prompt). Quantized caches and shapes the kernels do not take go through SDPA as in
-the torch backend.
+128-token prompt). Quantized caches, shapes the kernels do not take, and sequences a sliding
+window cuts (neither kernel takes a window) go through SDPA as in the torch backend.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import torch
 from dolmus.runtime import native
 from dolmus.runtime.attention.backend import BatchLayout, register_backend
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.attention.torch_sdpa import DecodeGroup, PrefillTable, SDPAMetadata, TorchSDPABackend
+from dolmus.runtime.attention.torch_sdpa import (
+    DecodeGroup,
+    PrefillSeq,
+    PrefillTable,
+    SDPAMetadata,
+    TorchSDPABackend,
+)
 from dolmus.runtime.native import ops as native_ops
 
 
@@ -45,12 +51,14 @@ class NativeCPUBackend(TorchSDPABackend):
         v: torch.Tensor,
         kv_cache: PagedKV,
         meta: SDPAMetadata,
+        prefills: list[PrefillSeq],
         out: torch.Tensor,
         scale: float,
     ) -> None:
         table, head_dim = meta.prefill_table, q.shape[2]
         if (
             table is not None
+            and prefills is meta.prefills  # no chunk cut by a sliding window (the kernel has none)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype == torch.bfloat16
             and head_dim % 32 == 0
@@ -71,7 +79,7 @@ class NativeCPUBackend(TorchSDPABackend):
             )
         ):
             return
-        super()._prefills(q, k, v, kv_cache, meta, out, scale)
+        super()._prefills(q, k, v, kv_cache, meta, prefills, out, scale)
 
     def _decode(
         self,
@@ -84,7 +92,8 @@ class NativeCPUBackend(TorchSDPABackend):
     ) -> None:
         head_dim = q.shape[2]
         if not (
-            q.dtype in (torch.bfloat16, torch.float32)
+            not g.windowed  # the kernel reads every position up to the length: no window
+            and q.dtype in (torch.bfloat16, torch.float32)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype
             and head_dim % 16 == 0

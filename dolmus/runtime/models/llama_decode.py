@@ -153,4 +153,6 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKV]) -> str:
         return "hidden, head or MLP sizes our kernels do not take"
     if attn0.ops.name != "native":
         return "native kernels are off"
+    if cfg.sliding_window is not None:  # decode_step.c attends to every cached position
+        return "sliding-window attention"
     return ""
