@@ -65,6 +65,11 @@ class ModelConfig:
     # The layers that attend within `sliding_window` (the others attend to everything); None:
     # every layer, when sliding_window is set (Mistral). Gemma 3 and Qwen2 mix the two kinds.
     sliding_layers: list[int] | None = None
+    # Gemma 3: the softmax scale (None: head_dim ** -0.5), the rotary base of the windowed
+    # layers (None: rope_theta, as every other layer), and tanh capping of the final logits
+    attention_scale: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of one layer; None: it attends to the whole context."""

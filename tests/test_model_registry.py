@@ -12,6 +12,7 @@ from dolmus.runtime.models import registry
 from dolmus.runtime.models.llama import LlamaForCausalLM
 
 SUPPORTED = [
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -21,7 +22,8 @@ SUPPORTED = [
     "Qwen3MoeForCausalLM",
 ]
 MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
-DENSE = [name for name in SUPPORTED if name not in MOE]  # the Llama class itself
+OWN_LAYERS = ["Gemma3ForCausalLM"]  # a subclass of Llama's with layers of its own
+DENSE = [name for name in SUPPORTED if name not in MOE + OWN_LAYERS]  # the Llama class itself
 BASE = dict(
     vocab_size=512,
     hidden_size=64,
@@ -40,7 +42,7 @@ def _parse(arch: str, **extra: Any) -> ModelConfig:
 def test_the_family_files_register_every_supported_architecture() -> None:
     assert registry.supported_architectures() == SUPPORTED
     assert all(registry.model_class(name) is LlamaForCausalLM for name in DENSE)
-    assert all(issubclass(registry.model_class(name), LlamaForCausalLM) for name in MOE)
+    assert all(issubclass(registry.model_class(name), LlamaForCausalLM) for name in MOE + OWN_LAYERS)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
@@ -119,5 +121,7 @@ def test_gguf_types_map_through_the_registry(monkeypatch, tmp_path) -> None:
     assert raw["architectures"] == ["MistralForCausalLM"]
     assert ModelConfig.from_dict(raw).sliding_window == 256
     metadata["model_type"] = "gemma"
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported \(llama, mistral, "):
+    with pytest.raises(
+        ValueError, match=r"GGUF architecture 'gemma' is not supported \(gemma3, llama, mistral, "
+    ):
         gguf_config(path)

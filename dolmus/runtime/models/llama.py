@@ -106,7 +106,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.backend = backend
 
     def forward(
