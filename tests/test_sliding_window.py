@@ -123,3 +123,80 @@ def test_a_long_request_holds_only_its_window(swa_root: Path) -> None:
             # every block until the end (the step that ends it frees them all at once)
             assert max(held) == -(-(70 + 60 - 2) // BLOCK)
         assert engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_reads_only_the_window(dtype: torch.dtype) -> None:
+    """Blocks wholly behind a sequence's window point at a block of NaNs (as if reused by
+    another request): the kernel never reads them, and equals SDPA over the window."""
+    import torch.nn.functional as F
+
+    from dolmus.runtime import native
+    from dolmus.runtime.attention.kv_store import PagedKV
+    from dolmus.runtime.native import ops as native_ops
+
+    lib = native.library() if dtype == torch.bfloat16 else native.avx2_library()
+    if lib is None:
+        pytest.skip("no native kernels for this dtype here")
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, bs, window = 4, 2, 64, 16, 20
+    lengths = torch.tensor([1, 16, 20, 21, 37, 70])
+    n, num_blocks = len(lengths), 5
+    cache = PagedKV(64 * bs, kv_heads, head_dim, bs, dtype, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    poison = 63
+    cache.data[:, poison * bs : (poison + 1) * bs] = float("nan")
+    block_ids = torch.randperm(63, generator=gen)[: n * num_blocks].view(n, num_blocks)
+    behind = block_ids.clone()
+    for i, length in enumerate(lengths.tolist()):
+        behind[i, : max(length - window, 0) // bs] = poison
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    out = torch.full((n, heads, head_dim), float("nan"), dtype=dtype)
+    native_ops.decode_attention(
+        q, cache.data[0], cache.data[1], behind, lengths, out, bs, head_dim**-0.5, window
+    )
+    for i, length in enumerate(lengths.tolist()):
+        first = max(length - window, 0)
+        keys = cache.blocks(0, block_ids[i])[first:length].float()
+        values = cache.blocks(1, block_ids[i])[first:length].float()
+        expected = F.scaled_dot_product_attention(
+            q[i].float().unsqueeze(1),
+            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        ).squeeze(1)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-3)
+        torch.testing.assert_close(out[i].float(), expected, **tol)
+
+
+def test_the_fused_decode_step_takes_the_window(swa_root: Path) -> None:
+    """bf16 with int8 weights (our kernels): the fused step runs for a windowed model past
+    its window, with the modules' tokens and log-probabilities bit for bit."""
+    from dolmus import SamplingParams
+    from dolmus.runtime import native
+
+    if not native.cpu_supported() or native.find_compiler() is None:
+        pytest.skip("the fused decode step needs an x86-64 CPU with AVX-512 BF16 and a C compiler")
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    folder = swa_root / "mistral-wide"
+    if not folder.exists():
+        cfg = MistralConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.15, sliding_window=WINDOW,
+        )  # fmt: skip
+        torch.manual_seed(8)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+        for name in TOKENIZER_FILES:
+            shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    kw = dict(model=str(folder), dtype="bfloat16", quantization="int8", block_size=BLOCK)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    assert fused.engine.runner.fused_decoder is not None
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3)
+    prompts = random_prompts((3, 30, 9, 70), seed=15)
+
+    def outputs(llm: LLM) -> list:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    assert outputs(fused) == outputs(modules)
+    assert fused.engine.runner.fused_steps >= 20

@@ -5,8 +5,9 @@ The decode kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads ea
 of a plain cache in place: no gathers, no padding, one call per decode group (~3x faster than gather +
 SDPA at batch 1, ~5x at 32 sequences). The prefill kernel (prefill_attention.c) takes every
 prompt chunk of the step in one call, also from the cache in place (~2x faster than SDPA on a
-128-token prompt). Quantized caches, shapes the kernels do not take, and sequences a sliding
-window cuts (neither kernel takes a window) go through SDPA as in the torch backend.
+128-token prompt). The decode kernel takes a sliding window (it reads only the window's
+positions); the prefill kernel does not, so chunks a window cuts go through SDPA, as do
+quantized caches and shapes the kernels do not take, as in the torch backend.
 """
 
 from __future__ import annotations
@@ -92,8 +93,7 @@ class NativeCPUBackend(TorchSDPABackend):
     ) -> None:
         head_dim = q.shape[2]
         if not (
-            not g.windowed  # the kernel reads every position up to the length: no window
-            and q.dtype in (torch.bfloat16, torch.float32)
+            q.dtype in (torch.bfloat16, torch.float32)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype
             and head_dim % 16 == 0
@@ -104,13 +104,15 @@ class NativeCPUBackend(TorchSDPABackend):
             super()._decode(q, kv_cache, g, out, block_size, scale)
             return
         n = g.count
+        # a windowed group's table starts `offset` positions in: lengths count from there
         native_ops.decode_attention(
             q[g.start : g.start + n],
             kv_cache.data[0],
             kv_cache.data[1],
             g.block_ids.view(n, g.num_blocks),
-            g.lengths,
+            g.lengths - g.offset if g.offset else g.lengths,
             out[g.start : g.start + n],
             block_size,
             scale,
+            g.window,
         )

@@ -51,7 +51,10 @@ class DecodeGroup:
     lengths: torch.Tensor  # [count] int64: cached positions each sequence attends to
     min_length: int = 0
     max_length: int = 0
-    windowed: bool = False  # block_ids start past the table's first block; the mask hides more
+    # a sliding-window layer's view: the window, and the positions before block_ids' first
+    # block (the mask hides those before each row's window too)
+    window: int | None = None
+    offset: int = 0
 
 
 @dataclass
@@ -247,7 +250,16 @@ def _windowed_group(g: DecodeGroup, window: int, block_size: int) -> DecodeGroup
     mask.masked_fill_(span.view(1, 1, 1, -1) < (g.lengths - window).view(-1, 1, 1, 1), float("-inf"))
     ids = g.block_ids.view(g.count, g.num_blocks)[:, first:].reshape(-1)
     return DecodeGroup(
-        g.start, g.count, g.num_blocks - first, ids, mask, g.lengths, g.min_length, g.max_length, True
+        g.start,
+        g.count,
+        g.num_blocks - first,
+        ids,
+        mask,
+        g.lengths,
+        g.min_length,
+        g.max_length,
+        window,
+        first * block_size,
     )
 
 
