@@ -113,6 +113,58 @@ def test_chunked_prefill_prefix_hits_and_preemption_keep_the_tokens(gemma_dir: P
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
+@pytest.fixture(scope="module")
+def multimodal_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP tower beside the same text
+    model), saved as transformers saves them (`language_model.model.*`, `vision_tower.*`)."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=16,
+    )  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=_config().to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=500,
+        eoi_token_index=501,
+        image_token_index=502,
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "vision" not in name:
+                param.normal_(0.0, 0.5)
+    folder = tmp_path_factory.mktemp("gemma3-mm")
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return folder
+
+
+def test_a_conditional_generation_checkpoint_runs_as_its_text_model(multimodal_dir: Path) -> None:
+    prompts = random_prompts((5, 40), seed=24)
+    llm = LLM(str(multimodal_dir), dtype="float32", block_size=8)
+    assert llm.engine.model_config.architecture == "Gemma3ForConditionalGeneration"
+    assert run_tokens(llm, prompts, greedy(NEW)) == [hf_greedy(multimodal_dir, p, NEW) for p in prompts]
+    ids = prompts[-1]
+    torch.testing.assert_close(
+        llm.engine.prompt_logprobs(ids), hf_logprobs(multimodal_dir, ids), atol=1e-4, rtol=0
+    )
+    # a released config's text_config gives only what differs from transformers' defaults
+    partial = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"hidden_size": 2560}}
+    cfg = ModelConfig.from_dict(partial)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.sliding_layers[:6]) == (
+        2560,
+        256,
+        26,
+        [0, 1, 2, 3, 4, 6],
+    )
+
+
 GGUF = os.environ.get("DOLMUS_GEMMA3_GGUF")
 
 

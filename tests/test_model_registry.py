@@ -13,6 +13,7 @@ from dolmus.runtime.models.llama import LlamaForCausalLM
 
 SUPPORTED = [
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -22,7 +23,10 @@ SUPPORTED = [
     "Qwen3MoeForCausalLM",
 ]
 MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
-OWN_LAYERS = ["Gemma3ForCausalLM"]  # a subclass of Llama's with layers of its own
+OWN_LAYERS = [
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+]  # a subclass of Llama's with layers of its own
 DENSE = [name for name in SUPPORTED if name not in MOE + OWN_LAYERS]  # the Llama class itself
 BASE = dict(
     vocab_size=512,

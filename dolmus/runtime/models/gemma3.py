@@ -13,9 +13,11 @@ What differs from Llama, each as transformers computes it:
 - optional tanh capping of the final logits; tied embeddings.
 
 The attention, linear layers and weight loading are the Llama classes'. The KV of a mixed
-model is not freed behind the window (its global layers read everything: kv_cache.py). Not
-here: tensor parallelism, the fused decode step, attention logit capping (Gemma 2's), and
-`Gemma3ForConditionalGeneration` checkpoints (their text weights sit under other names).
+model is not freed behind the window (its global layers read everything: kv_cache.py).
+`Gemma3ForConditionalGeneration` checkpoints (Gemma 3 4B and up) run as text models: their
+`text_config` (which may give only what differs from transformers' defaults) and language
+model weights; the vision tower's are skipped. Not here: images, tensor parallelism, the
+fused decode step, attention logit capping (Gemma 2's).
 
 llama.cpp's GGUF files store every norm as 1 + w (its converter adds the one): the loader
 takes it off again (`gguf_norm_offset`), as transformers' GGUF loader does.
@@ -23,6 +25,7 @@ takes it off again (`gguf_norm_offset`), as transformers' GGUF loader does.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -65,6 +68,24 @@ def parse_gemma3(raw: dict[str, Any], source: str) -> dict[str, Any]:
         local_rope_theta=_local_rope_theta(raw, source),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
+    return fields
+
+
+def parse_gemma3_conditional(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The text model of a Gemma3ForConditionalGeneration config: its text_config, filled with
+    Gemma3TextConfig's defaults as transformers fills them (released configs give only what
+    differs), under the top level's dtype and tied head."""
+    from transformers import Gemma3TextConfig
+
+    text = raw.get("text_config") or {}
+    if text.get("use_bidirectional_attention"):
+        raise ValueError(f"model: {source}: use_bidirectional_attention is not supported")
+    filled = Gemma3TextConfig.from_dict(text).to_dict()
+    top = ("dtype", "torch_dtype", "tie_word_embeddings")
+    fields = parse_gemma3({**filled, **{k: raw[k] for k in top if k in raw}}, source)
+    # transformers' Gemma3ForConditionalGeneration caps no logits, whatever text_config says
+    # (None in every released Gemma 3 config)
+    fields["final_logit_softcapping"] = None
     return fields
 
 
@@ -228,6 +249,30 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return None, "Gemma 3's layers are not in the fused step"
 
 
+# Where a Gemma3ForConditionalGeneration checkpoint keeps the text model (the names of
+# released checkpoints, and transformers 5's own), and what it holds besides.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+class Gemma3TextOfConditionalGeneration(Gemma3ForCausalLM):
+    """A Gemma3ForConditionalGeneration checkpoint's text model (no images)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((_text_name(n), t) for n, t in weights if not n.startswith(_NOT_TEXT))
+
+
+def _text_name(name: str) -> str:
+    for prefix, ours in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
+
+
 register_architecture(
     "Gemma3ForCausalLM",
     parse=parse_gemma3,
@@ -240,4 +285,9 @@ register_architecture(
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     gguf_norm_offset=1.0,
+)
+register_architecture(
+    "Gemma3ForConditionalGeneration",
+    parse=parse_gemma3_conditional,
+    model_cls=Gemma3TextOfConditionalGeneration,
 )
