@@ -188,7 +188,12 @@ def test_the_real_gemma3_270m_gguf_matches_transformers() -> None:
         with torch.inference_mode():
             ref = theirs.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
         assert list(out.token_ids) == ref.tolist()
-    ids = llm.tokenizer.encode("The capital of France is a city of light, famous for its museums.")
+    # a text longer than the local layers' window (512)
+    text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(40))
+    ids = llm.tokenizer.encode(text)
+    assert len(ids) > 700
     with torch.inference_mode():
         ref_logprobs = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = theirs.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
     torch.testing.assert_close(llm.engine.prompt_logprobs(ids), ref_logprobs, atol=1e-4, rtol=0)
+    assert run_tokens(llm, [ids], greedy(16)) == [ref.tolist()]
