@@ -200,3 +200,16 @@ def test_the_fused_decode_step_takes_the_window(swa_root: Path) -> None:
 
     assert outputs(fused) == outputs(modules)
     assert fused.engine.runner.fused_steps >= 20
+
+
+def test_speculative_decoding_past_the_window_keeps_the_tokens(swa_root: Path) -> None:
+    """Suffix drafts (a second pass over the same prompts drafts from the first's outputs) are
+    verified as decodes at successive positions, each with its own window."""
+    folder = _build("mistral", swa_root)
+    prompts = random_prompts((30, 70), seed=16)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, speculative_config=spec)
+    expected = [hf_greedy(folder, p, NEW) for p in prompts]
+    assert run_tokens(llm, prompts, greedy(NEW)) == expected
+    assert run_tokens(llm, prompts, greedy(NEW)) == expected
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
