@@ -52,8 +52,9 @@ def parse_gemma3(raw: dict[str, Any], source: str) -> dict[str, Any]:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _ACTIVATIONS:
         raise ValueError(f"model: {source}: hidden_activation {act!r} is not supported ({_ACTIVATIONS[0]})")
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ValueError(f"model: {source}: attn_logit_softcapping is not supported")
+    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(unsupported):
+            raise ValueError(f"model: {source}: {unsupported} is not supported")
     fields = parse_common_fields({k: v for k, v in raw.items() if k != "hidden_act"}, source)
     n = fields["num_layers"]
     pattern = int(raw.get("sliding_window_pattern", 6))  # configs without layer_types
@@ -78,8 +79,6 @@ def parse_gemma3_conditional(raw: dict[str, Any], source: str) -> dict[str, Any]
     from transformers import Gemma3TextConfig
 
     text = raw.get("text_config") or {}
-    if text.get("use_bidirectional_attention"):
-        raise ValueError(f"model: {source}: use_bidirectional_attention is not supported")
     filled = Gemma3TextConfig.from_dict(text).to_dict()
     top = ("dtype", "torch_dtype", "tie_word_embeddings")
     fields = parse_gemma3({**filled, **{k: raw[k] for k in top if k in raw}}, source)
