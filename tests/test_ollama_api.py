@@ -220,6 +220,8 @@ def test_errors_in_ollamas_shape(client: ollama.Client, server: RemoteServer) ->
         assert isinstance(r.json()["error"], str), r.json()
     r = httpx.post(f"{server.url}/api/chat", content=b"{not json", timeout=10)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    r = httpx.post(f"{server.url}/api/pull", json={"model": MODEL}, timeout=10)  # not served
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
     r = httpx.post(f"{server.url}/api/embed", json={"model": MODEL, "input": "hi"}, timeout=10)
     assert r.status_code == 501 and "embeddings" in r.json()["error"]
     # an empty prompt is Ollama's "load the model" call
