@@ -92,14 +92,14 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def test_generate_greedy_equals_completions(client: ollama.Client, oai: openai.OpenAI) -> None:
+def test_generate_greedy_equals_completions(
+    client: ollama.Client, oai: openai.OpenAI, server: RemoteServer
+) -> None:
     ref = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0]
     r = client.generate(model=TAGGED, prompt=PROMPT, raw=True, options=GREEDY, stream=False, keep_alive="5m")
     assert r.response == ref.text
     assert r.done and r.done_reason == ("length" if ref.finish_reason == "length" else "stop")
-    tokens = httpx.post(
-        f"{oai.base_url}".replace("/v1/", "/tokenize"), json={"prompt": PROMPT}, timeout=10
-    ).json()["tokens"]
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
     assert r.prompt_eval_count == len(tokens)
     assert r.eval_count == len(r.context) - len(tokens) <= 12
     assert r.context[: len(tokens)] == tokens
@@ -113,7 +113,7 @@ def test_generate_greedy_equals_completions(client: ollama.Client, oai: openai.O
     assert all(isinstance(last[k], int) for k in DURATIONS)
     # without `stream`, the server streams (Ollama's default): NDJSON, one object a line
     body = {"model": MODEL, "prompt": PROMPT, "raw": True, "options": GREEDY}
-    with httpx.stream("POST", f"{oai.base_url}".replace("/v1/", "/api/generate"), json=body, timeout=30) as s:
+    with httpx.stream("POST", f"{server.url}/api/generate", json=body, timeout=30) as s:
         assert s.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in s.iter_lines() if line]
     assert "".join(o["response"] for o in lines) == ref.text and lines[-1]["done"]
@@ -196,6 +196,41 @@ def test_options_num_predict_seed_and_stop(client: ollama.Client, oai: openai.Op
     assert word
     stop = client.generate(model=MODEL, prompt=PROMPT, options={**GREEDY, "stop": [word]}, raw=True)
     assert stop.done_reason == "stop" and stop.response == greedy[: greedy.index(word)]
+
+
+def test_context_continues_and_logprobs(
+    client: ollama.Client, oai: openai.OpenAI, server: RemoteServer
+) -> None:
+    first = client.generate(model=MODEL, prompt=PROMPT, raw=True, options=GREEDY)
+    second = client.generate(model=MODEL, prompt=" The end.", context=first.context, raw=True, options=GREEDY)
+    tokenize = f"{server.url}/tokenize"
+    more = httpx.post(tokenize, json={"prompt": " The end.", "add_special_tokens": False}, timeout=10).json()
+    ids = [*first.context, *more["tokens"]]  # the context, then the prompt without a BOS of its own
+    ref = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0).choices[0]
+    assert second.response == ref.text and second.context[: len(ids)] == ids
+
+    ref = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    want = ref.choices[0].logprobs
+    for stream in (False, True):
+        got = client.generate(
+            model=MODEL, prompt=PROMPT, raw=True, options=GREEDY, logprobs=True, top_logprobs=3, stream=stream
+        )
+        lps = [lp for part in (got if stream else [got]) for lp in part.logprobs or []]
+        assert [lp.token for lp in lps] == want.tokens
+        assert [lp.logprob for lp in lps] == pytest.approx(want.token_logprobs, abs=1e-5)
+        assert [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps] == [
+            pytest.approx(top, abs=1e-5) for top in want.top_logprobs
+        ]
+    parts = list(
+        client.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            options=GREEDY,
+            logprobs=True,
+            stream=True,
+        )
+    )
+    assert sum(len(p.logprobs or []) for p in parts) == parts[-1].eval_count
 
 
 def test_errors_in_ollamas_shape(client: ollama.Client, server: RemoteServer) -> None:

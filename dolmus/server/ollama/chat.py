@@ -31,6 +31,7 @@ from dolmus.server.ollama.shared import (
     ndjson,
     refuse_unsupported,
     sampling_params,
+    token_logprobs,
 )
 from dolmus.server.openai.chat import ToolStream
 from dolmus.server.serving_common import Job, Serving
@@ -45,7 +46,7 @@ class OllamaChat:
         started = time.monotonic_ns()
         serving = self.serving
         check_model(serving, body.model)
-        refuse_unsupported(body.think, body.logprobs, any(m.images for m in body.messages))
+        refuse_unsupported(body.think, any(m.images for m in body.messages))
         if not body.messages:  # Ollama's way to load a model: no messages answer at once
             return JSONResponse(
                 {
@@ -56,7 +57,8 @@ class OllamaChat:
                 }
             )
         plan = plan_tools(body.tools, None)
-        params = sampling_params(body.options, await format_constraint(serving, body.format))
+        logprobs = body.top_logprobs if body.logprobs else None
+        params = sampling_params(body.options, await format_constraint(serving, body.format), logprobs)
         messages = [_template_message(m) for m in body.messages]
         try:
             ids = await asyncio.to_thread(
@@ -83,13 +85,18 @@ class OllamaChat:
             message["content"] = content or ""
             if calls:
                 message["tool_calls"] = [_ollama_call(c) for c in calls]
-        return JSONResponse({**_head(body.model), "message": message, **final_fields(serving, out, started)})
+        result = {**_head(body.model), "message": message, **final_fields(serving, out, started)}
+        if logprobs is not None:
+            result["logprobs"] = token_logprobs(serving, out.outputs[0], 0, logprobs)
+        return JSONResponse(result)
 
     async def _stream(
         self, job: Job, model: str, started: int, plan: ToolPlan | None
     ) -> AsyncIterator[dict[str, Any]]:
         tools = ToolStream(plan) if plan is not None else None
+        k = job.params.logprobs
         last: RequestOutput | None = None
+        sent = 0  # tokens whose logprobs went out (held-back text's tokens go with a later line)
         async for _, out in self.serving.stream(job):
             last = out
             c = out.outputs[0]
@@ -101,13 +108,20 @@ class OllamaChat:
                 message: dict[str, Any] = {"role": "assistant", "content": delta.get("content", "")}
                 if "tool_calls" in delta:
                     message["tool_calls"] = [_ollama_call(t) for t in delta["tool_calls"]]
-                yield {**_head(model), "message": message, "done": False}
+                line = {**_head(model), "message": message, "done": False}
+                if k is not None:
+                    line["logprobs"] = token_logprobs(self.serving, c, sent, k)
+                    sent = len(c.token_ids)
+                yield line
         if last is not None:
-            yield {
+            line = {
                 **_head(model),
                 "message": {"role": "assistant", "content": ""},
                 **final_fields(self.serving, last, started),
             }
+            if k is not None:
+                line["logprobs"] = token_logprobs(self.serving, last.outputs[0], sent, k)
+            yield line
 
 
 def _head(model: str) -> dict[str, Any]:
@@ -131,4 +145,6 @@ def _template_message(m: Message) -> dict[str, Any]:
         out["tool_calls"] = [{"type": "function", **call} for call in m.tool_calls]
     if m.tool_name:
         out["name"] = m.tool_name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
     return out

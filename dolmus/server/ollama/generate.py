@@ -30,6 +30,7 @@ from dolmus.server.ollama.shared import (
     ndjson,
     refuse_unsupported,
     sampling_params,
+    token_logprobs,
 )
 from dolmus.server.serving_common import Job, Serving
 
@@ -42,7 +43,7 @@ class OllamaGenerate:
         started = time.monotonic_ns()
         serving = self.serving
         check_model(serving, body.model)
-        refuse_unsupported(body.think, body.logprobs, bool(body.images))
+        refuse_unsupported(body.think, bool(body.images))
         if body.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         if body.template:
@@ -62,9 +63,10 @@ class OllamaGenerate:
                     "done_reason": "load",
                 }
             )
-        params = sampling_params(body.options, await format_constraint(serving, body.format))
+        logprobs = body.top_logprobs if body.logprobs else None
+        params = sampling_params(body.options, await format_constraint(serving, body.format), logprobs)
         context = serving.check_ids(body.context, "context") if body.context else []
-        ids = [*context, *await self._prompt(body)]
+        ids = [*context, *await self._prompt(body, special=not context)]
         serving.check_length(ids, params.max_tokens, "options.num_predict")
         job = serving.admit(f"ollama-gen-{uuid.uuid4().hex}", [ids], params, priority, client)
         if body.stream:
@@ -73,21 +75,24 @@ class OllamaGenerate:
         if outputs is None:
             return None
         out = outputs[0]
-        return JSONResponse(
-            {**self._head(body.model), "response": out.outputs[0].text, **self._last(out, started)}
-        )
+        c = out.outputs[0]
+        result = {**self._head(body.model), "response": c.text, **self._last(out, started)}
+        if logprobs is not None:
+            result["logprobs"] = token_logprobs(serving, c, 0, logprobs)
+        return JSONResponse(result)
 
-    async def _prompt(self, body: GenerateRequest) -> list[int]:
+    async def _prompt(self, body: GenerateRequest, special: bool) -> list[int]:
+        """The prompt's token ids; `special`: with the tokenizer's BOS (not after a context)."""
         serving = self.serving
         tokenizer = serving.tokenizer
         text = body.prompt or ""
         if not text:
             return []
-        if body.raw:
-            return list(await asyncio.to_thread(tokenizer.encode, text))
-        if serving.chat_template is None and not getattr(tokenizer, "chat_template", None):
-            prompt = f"{body.system}\n\n{text}" if body.system else text
-            return list(await asyncio.to_thread(tokenizer.encode, prompt))
+        templated = serving.chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
+        if body.raw or not templated:
+            if not body.raw and body.system:
+                text = f"{body.system}\n\n{text}"
+            return list(await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special))
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": text})
         try:
@@ -105,11 +110,20 @@ class OllamaGenerate:
         }
 
     async def _stream(self, job: Job, model: str, started: int) -> AsyncIterator[dict[str, Any]]:
+        k = job.params.logprobs
         last: RequestOutput | None = None
+        sent = 0  # tokens whose logprobs went out (a token held back mid-character goes with the next)
         async for _, out in self.serving.stream(job):
             last = out
-            delta = out.outputs[0].text_delta
-            if delta:
-                yield {**self._head(model), "response": delta, "done": False}
+            c = out.outputs[0]
+            if c.text_delta:
+                line = {**self._head(model), "response": c.text_delta, "done": False}
+                if k is not None:
+                    line["logprobs"] = token_logprobs(self.serving, c, sent, k)
+                    sent = len(c.token_ids)
+                yield line
         if last is not None:
-            yield {**self._head(model), "response": "", **self._last(last, started)}
+            line = {**self._head(model), "response": "", **self._last(last, started)}
+            if k is not None:
+                line["logprobs"] = token_logprobs(self.serving, last.outputs[0], sent, k)
+            yield line

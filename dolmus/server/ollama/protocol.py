@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from dolmus.server.protocol import _Body
+from dolmus.server.protocol import MAX_TOP_LOGPROBS, _Body
 
 
 class Options(_Body):
@@ -40,8 +40,8 @@ class _ModelFields(_Body):
     keep_alive: float | str | None = None  # accepted, ignored: the model stays loaded
     stream: bool = True
     think: bool | str | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class GenerateRequest(_ModelFields):
@@ -60,6 +60,7 @@ class Message(_Body):
     images: list[Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
+    tool_call_id: str | None = None  # Open WebUI sends OpenAI's field on tool results
     thinking: str | None = None
 
 

@@ -11,11 +11,12 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from dolmus.outputs import RequestOutput
+from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.errors import APIError
 from dolmus.server.model_names import ModelNames
 from dolmus.server.ollama.protocol import Options
+from dolmus.server.openai.shared import top
 from dolmus.server.serving_common import Serving, sampling_default
 from dolmus.structured.spec import StructuredOutput
 
@@ -42,8 +43,11 @@ def check_model(serving: Serving, name: str) -> None:
     serving.check_model(name)
 
 
-def sampling_params(options: Options | None, structured: StructuredOutput | None = None) -> SamplingParams:
-    """The engine's parameters for Ollama's options (the server's defaults for those left out)."""
+def sampling_params(
+    options: Options | None, structured: StructuredOutput | None = None, logprobs: int | None = None
+) -> SamplingParams:
+    """The engine's parameters for Ollama's options (the server's defaults for those left out);
+    `logprobs`: the alternatives to return per token (None: no logprobs)."""
     o = options or Options()
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
     try:
@@ -59,6 +63,7 @@ def sampling_params(options: Options | None, structured: StructuredOutput | None
             max_tokens=max_tokens,
             stop=o.stop or [],
             structured_output=structured,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise APIError(400, f"options: {exc}", param="options") from exc
@@ -80,14 +85,30 @@ async def format_constraint(serving: Serving, fmt: str | dict[str, Any] | None) 
     return await serving.compile_constraint(spec, "format")
 
 
-def refuse_unsupported(think: bool | str | None, logprobs: bool | None, images: bool) -> None:
+def refuse_unsupported(think: bool | str | None, images: bool) -> None:
     """400 for what Ollama offers and dolmus does not (rather than silently answering without it)."""
     if think:
         raise APIError(400, "this model does not support thinking (think)", param="think")
-    if logprobs:
-        raise APIError(400, "logprobs are not supported on /api/*; use /v1/completions", param="logprobs")
     if images:
         raise APIError(400, "this model does not support images", param="images")
+
+
+def token_logprobs(serving: Serving, c: CompletionOutput, start: int, k: int) -> list[dict[str, Any]]:
+    """Ollama's `logprobs` of the completion's tokens from `start` on: each token's text,
+    logprob and bytes, with its `k` most likely alternatives."""
+    if c.logprobs is None:
+        return []
+
+    def entry(tid: int, value: float | None) -> dict[str, Any]:
+        text = serving.token_text(tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    out = []
+    for tid, lp in zip(c.token_ids[start:], c.logprobs[start:]):
+        item = entry(tid, lp.get(tid))
+        item["top_logprobs"] = [entry(t, v) for t, v in top(lp, k)]
+        out.append(item)
+    return out
 
 
 def created_at() -> str:
