@@ -8,6 +8,8 @@ sampling must give the same tokens.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -17,7 +19,10 @@ import pytest
 from safetensors import safe_open
 from server_helpers import RemoteServer
 
-from dolmus.config import DEFAULT_MODEL_DIR
+from dolmus.config import DEFAULT_MODEL_DIR, EngineConfig
+from dolmus.model_config import ModelConfig
+from dolmus.server.ollama.model_card import read_facts
+from dolmus.server.ollama.shared import ollama_name
 
 MODEL = "stories260k"
 TAGGED = "stories260k:latest"
@@ -36,6 +41,10 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+_GGUF = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = next(
+    (p for p in (Path(__file__).resolve().parents[2] / "shared/models" / _GGUF,) if p.is_file()), None
+)
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
 
 
@@ -267,3 +276,20 @@ def test_errors_in_ollamas_shape(client: ollama.Client, server: RemoteServer) ->
         model=MODEL, prompt=PROMPT, options={"num_thread": 2, "mirostat": 0, **GREEDY}, raw=True
     )
     assert r.eval_count > 0
+
+
+def test_ollama_names() -> None:
+    assert ollama_name("stories260k") == "stories260k:latest"
+    assert ollama_name("qwen3:0.6b") == "qwen3:0.6b"  # a tag already
+    assert ollama_name("SmolLM2-135M-Instruct.Q4_1") == "SmolLM2-135M-Instruct.Q4_1:latest"
+    assert ollama_name("http://host:8000/m") == "http://host:8000/m:latest"  # a colon, but no tag
+    assert ollama_name("odd:") == "odd::latest"
+
+
+@pytest.mark.skipif(GGUF is None, reason="needs ../shared/models/smollm2-135m-instruct")
+def test_model_card_of_a_quantized_gguf() -> None:
+    config = EngineConfig(model=str(GGUF))
+    facts = read_facts(config, ModelConfig.from_dir(config.model_path))
+    assert (facts.family, facts.format, facts.quantization_level) == ("llama", "gguf", "Q4_1")
+    assert facts.details()["parameter_size"] == "134.5M"  # SmolLM2-135M's 134,515,008 weights
+    assert facts.size == GGUF.stat().st_size
