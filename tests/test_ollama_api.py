@@ -42,9 +42,10 @@ SCHEMA = {
     "additionalProperties": False,
 }
 _GGUF = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF = next(
-    (p for p in (Path(__file__).resolve().parents[2] / "shared/models" / _GGUF,) if p.is_file()), None
+_SHARED = Path(
+    os.environ.get("DOLMUS_SHARED_MODELS", Path(__file__).resolve().parents[2] / "shared" / "models")
 )
+GGUF = _SHARED / _GGUF if (_SHARED / _GGUF).is_file() else None
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
 
 
