@@ -88,6 +88,8 @@ def test_list_show_ps(client: ollama.Client, server: RemoteServer) -> None:
         assert shown.modelinfo["llama.context_length"] == 512  # stories260k's config
         assert shown.details == listed.details
         assert "completion" in shown.capabilities
+    older = httpx.post(f"{server.url}/api/show", json={"name": TAGGED}, timeout=10)  # older clients' field
+    assert older.status_code == 200 and older.json()["details"]["family"] == "llama"
     max_model_len = httpx.get(f"{server.base_url}/models", timeout=10).json()["data"][0]["max_model_len"]
     (loaded,) = client.ps().models
     assert loaded.model == TAGGED and loaded.context_length == max_model_len

@@ -2,6 +2,8 @@
 
 The server listens before the model is loaded: every model route answers 503 until the
 engine is up (so an orchestrator can tell "starting" from "dead"), then /health turns 200.
+Beside the OpenAI routes (server/openai/), the same port serves Ollama's API under /api/
+(server/ollama/), over the same engine and admission.
 """
 
 from __future__ import annotations
