@@ -130,6 +130,8 @@ def test_keys_tiers_and_quotas_through_the_server(tmp_path, engine_core) -> None
         with pytest.raises(openai.AuthenticationError):
             nobody.models.list()
         assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+        r = httpx.get(f"{server.url}/api/tags", headers={"Authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401 and "API key" in r.json()["error"]  # Ollama's error shape under /api/
 
         # Two requests a minute for the live key, then 429 with a Retry-After in seconds.
         for _ in range(2):

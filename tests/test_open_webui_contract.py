@@ -25,6 +25,13 @@ benchmarks/open_webui_chat.py, whose recording proxy captured the upstream bodie
   non-stream request, one user message holding the template below, `max_tokens` = the
   model's `max_tokens` param or 1000; `choices[0].message.content` is cut from the first `{`
   to the last `}` and parsed as JSON, falling back to the user's message.
+- Through an Ollama connection instead (routers/ollama.py, utils/payload.py, utils/response.py):
+  `get_all_models` reads GET `{url}/api/tags` (a model's id is its `model`), then GET
+  `/api/ps` for each loaded model's `expires_at` (`datetime.fromisoformat`); `get_ollama_versions`
+  reads GET `/api/version` and compares versions as dotted integers; the chat page's request
+  goes through `convert_payload_openai_to_ollama` (max_tokens -> options.num_predict, tools kept)
+  to POST `/api/chat`, and `convert_streaming_response_ollama_to_openai` turns each NDJSON line
+  into an OpenAI chunk (usage from the `done` line's counters) for the same stream handler.
 - main.py `stop_tasks_by_chat_id_endpoint` -> tasks.py `stop_task` cancels the chat task;
   utils/session_pool.py `stream_wrapper` then closes the aiohttp response, which closes the
   connection to us.
@@ -33,7 +40,10 @@ benchmarks/open_webui_chat.py, whose recording proxy captured the upstream bodie
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
+from datetime import datetime
 from numbers import Number
 from typing import Any
 
@@ -448,3 +458,82 @@ def test_stop_closes_the_connection_and_aborts(server) -> None:
         time.sleep(0.1)
         m = server.metrics()
     assert m["dolmus:kv_cache_blocks_used"] == 0 and m["dolmus:num_requests_running"] == 0
+
+
+# -- Open WebUI's Ollama connection ---------------------------------------------------------
+
+
+def owui_ollama_to_sse(ndjson_lines: list[str]) -> list[str]:
+    """utils/response.py `convert_streaming_response_ollama_to_openai` (text and usage)."""
+    out, has_tool_calls, chunk_id = [], False, f"chatcmpl-{uuid.uuid4()}"
+    for raw in ndjson_lines:
+        data = json.loads(raw)
+        message = data.get("message") or {}
+        delta: dict[str, Any] = {"content": message.get("content", None)}
+        if message.get("tool_calls"):
+            has_tool_calls = True
+            delta["tool_calls"] = message["tool_calls"]
+        usage = None
+        if data.get("done", False):
+            usage = {
+                "input_tokens": int(data.get("prompt_eval_count", 0)),
+                "output_tokens": int(data.get("eval_count", 0)),
+                "response_token/s": data.get("eval_count", 0) / (data["eval_duration"] / 1e9)
+                if data.get("eval_duration", 0) > 0
+                else "N/A",
+            }
+        chunk: dict[str, Any] = {
+            "id": chunk_id,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+        }
+        if usage:
+            chunk["usage"] = usage
+        if data.get("done") and has_tool_calls:
+            chunk["choices"][0]["finish_reason"] = "tool_calls"
+        elif data.get("done_reason"):
+            chunk["choices"][0]["finish_reason"] = data["done_reason"]
+        out.append(f"data: {json.dumps(chunk)}")
+    return [*out, "data: [DONE]"]
+
+
+def test_ollama_connection_lists_versions_and_expiry(server) -> None:
+    auth = {"Authorization": "Bearer x"}
+    tags = httpx.get(f"{server.url}/api/tags", headers=auth, timeout=10).json()
+    models = {m["model"]: m for m in tags["models"]}
+    assert list(models) == [f"{MODEL}:latest"] and models[f"{MODEL}:latest"]["name"] == f"{MODEL}:latest"
+    loaded = httpx.get(f"{server.url}/api/ps", headers=auth, timeout=10).json()["models"]
+    expires = {m["model"]: int(datetime.fromisoformat(m["expires_at"]).timestamp()) for m in loaded}
+    assert set(expires) == set(models)
+    version = httpx.get(f"{server.url}/api/version", headers=auth, timeout=10).json()["version"]
+    assert all(isinstance(n, int) for n in map(int, re.sub(r"^v|-.*", "", version).split(".")))
+
+
+def test_ollama_chat_page_stream_parses_like_the_openai_one(server) -> None:
+    """The chat page's request over Ollama's /api/chat gives the text the OpenAI route gives."""
+    reference = owui_stream(stream_lines(server, chat_page_body("Once upon a time")))
+    body = {
+        "model": f"{MODEL}:latest",
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        "stream": True,
+        "tools": OWUI_TOOLS,
+        "options": {"temperature": 0, "num_predict": 24},
+    }
+    with httpx.stream("POST", f"{server.url}/api/chat", json=body, headers=HEADERS, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    parsed = owui_stream(owui_ollama_to_sse(lines))
+    assert parsed["dropped"] == [] and parsed["errors"] == []
+    assert parsed["content"] == reference["content"] and parsed["finish_reason"] == reference["finish_reason"]
+    assert parsed["usage"]["input_tokens"] == reference["usage"]["input_tokens"]
+    assert parsed["usage"]["output_tokens"] == reference["usage"]["output_tokens"]
+    # a task (title) request: non-stream, converted by `convert_response_ollama_to_openai`
+    r = httpx.post(
+        f"{server.url}/api/chat",
+        json={**body, "stream": False, "tools": None, "options": {"num_predict": 16}},
+        headers=HEADERS,
+        timeout=60,
+    )
+    assert r.status_code == 200
+    message = r.json()["message"]
+    converted = {"choices": [{"message": {"content": message.get("content", "")}}]}
+    assert owui_title(converted, "Tell me a story about a cat.")

@@ -2,6 +2,8 @@
 
 The server listens before the model is loaded: every model route answers 503 until the
 engine is up (so an orchestrator can tell "starting" from "dead"), then /health turns 200.
+Beside the OpenAI routes (server/openai/), the same port serves Ollama's API under /api/
+(server/ollama/), over the same engine and admission.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.live_stats import LiveStats
 from dolmus.server.model_names import ModelNames
+from dolmus.server.ollama.routes import OllamaAPI, add_ollama_routes
 from dolmus.server.openai.chat import OpenAIChat
 from dolmus.server.openai.completions import OpenAICompletions
 from dolmus.server.protocol import (
@@ -69,6 +72,7 @@ class ServerState:
         self.serving: Serving | None = None
         self.completions: OpenAICompletions | None = None  # the API modules, over `serving`
         self.chat: OpenAIChat | None = None
+        self.ollama: OllamaAPI | None = None  # Ollama's API (/api/...), made on its first request
         self.metrics: EngineMetrics | None = None
         self.live: LiveStats | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -225,6 +229,12 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
 
     add_router_routes(app, state)
 
+    def identify(raw: Request, header: str | None) -> tuple[Client, int]:
+        client = _client(raw)
+        return client, _priority(state.access, client, None, header)
+
+    add_ollama_routes(app, state, identify)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         state.ready()
@@ -369,13 +379,17 @@ class GuardMiddleware:
         path = scope["path"]
         if client is None and path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES):
             await _send_error(
-                send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+                send,
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+                path,
             )
             return
         scope.setdefault("state", {})["dolmus_client"] = client
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _send_error(send, 413, self._too_large(), "request_too_large")
+            await _send_error(send, 413, self._too_large(), "request_too_large", path)
             return
 
         received = 0
@@ -399,14 +413,14 @@ class GuardMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _send_error(send, 413, self._too_large(), "request_too_large")
+                await _send_error(send, 413, self._too_large(), "request_too_large", path)
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)"
 
 
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    body = error_bytes(status, message, code)
+async def _send_error(send: Send, status: int, message: str, code: str, path: str) -> None:
+    body = error_bytes(status, message, code, path)
     await send(
         {
             "type": "http.response.start",

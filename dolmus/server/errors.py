@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and under
+Ollama's routes (/api/...) in Ollama's: `{"error": "<message>"}` (its clients read that string).
 
 Status codes: 400 bad field or body, 401 missing/wrong API key, 404 unknown route or model,
 413 body too large, 429 waiting queue full (with Retry-After), 503 model still loading
@@ -61,39 +62,49 @@ def error_body(
     }
 
 
-def error_response(exc: APIError) -> JSONResponse:
+OLLAMA_PREFIX = "/api/"  # Ollama's API lives under it (server/ollama/); nothing else does
+
+
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to."""
+    if path.startswith(OLLAMA_PREFIX):
+        return JSONResponse({"error": exc.message}, exc.status, exc.headers)
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, exc.headers)
 
 
-def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+def error_bytes(status: int, message: str, code: str | None = None, path: str = "") -> bytes:
+    if path.startswith(OLLAMA_PREFIX):
+        return json.dumps({"error": message}).encode()
     return json.dumps(error_body(status, message, code=code)).encode()
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = request.url.path
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            return error_response(APIError(400, message, code="invalid_json"))
+            return error_response(APIError(400, message, code="invalid_json"), path)
         param = ".".join(loc) or None
         message = "; ".join(_describe(e) for e in errors) or "invalid request"
-        return error_response(APIError(400, message, param=param, code="invalid_value"))
+        return error_response(APIError(400, message, param=param, code="invalid_value"), path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+        error = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal error: {exc!r}"))
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {exc!r}"), request.url.path)
 
 
 def _describe(error: dict[str, Any]) -> str:
