@@ -62,6 +62,24 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: list[int] = field(default_factory=list)
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: not MLA): the ranks of the
+    # compressed query (0: a plain q_proj) and key/value latent, each head's non-rotary and
+    # rotary query/key parts and its value size, and whether rotary pairs are interleaved
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek routing (runtime/models/deepseek_moe.py): shared experts' inner size, the
+    # scoring ("softmax": V2, "sigmoid": V3 with a score-correction bias), the top-k method
+    # (V2: "greedy" or "group_limited_greedy"), expert groups and groups kept, and the factor
+    # the chosen experts' weights are multiplied by
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:

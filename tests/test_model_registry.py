@@ -12,6 +12,8 @@ from dolmus.runtime.models import registry
 from dolmus.runtime.models.llama import LlamaForCausalLM
 
 SUPPORTED = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -20,7 +22,13 @@ SUPPORTED = [
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
 ]
-MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+MOE = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+]
 DENSE = [name for name in SUPPORTED if name not in MOE]  # the Llama class itself
 BASE = dict(
     vocab_size=512,

@@ -183,9 +183,10 @@ class ModelRunner:
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
+        heads, width, value_dim = self._kv_layout()
         self.kv_caches = [
             make_kv_store(
-                config.kv_cache_dtype, slots, self.num_kv_heads, cfg.head_dim, self.block_size, dtype, device
+                config.kv_cache_dtype, slots, heads, width, self.block_size, dtype, device, value_dim
             )
             for _ in range(cfg.num_layers)
         ]
@@ -327,11 +328,38 @@ class ModelRunner:
             return AMX_CPU_BATCHED_TOKENS
         return None
 
+    def _kv_layout(self) -> tuple[int, int, int | None]:
+        """(heads, numbers per head, value numbers) one layer caches per token: this rank's KV
+        heads of head_dim (values alike: None), or under multi-head latent attention (DeepSeek)
+        one vector, the latent then the rotated shared key, whose latent part is the values."""
+        mc = self.model_config
+        if mc.kv_lora_rank:
+            return 1, mc.kv_lora_rank + mc.qk_rope_head_dim, mc.kv_lora_rank
+        return self.num_kv_heads, mc.head_dim, None
+
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
-        per_token = mc.num_layers * kv_bytes_per_token(
-            self.config.kv_cache_dtype, self.num_kv_heads, mc.head_dim, self.dtype
+        heads, width, value_dim = self._kv_layout()
+        layer_bytes = kv_bytes_per_token(
+            self.config.kv_cache_dtype, heads, width, self.dtype, latent=value_dim is not None
         )
+        per_token = mc.num_layers * layer_bytes
+        if value_dim is not None:
+            # what per-head keys ((nope + rope) each) and values would take instead
+            mha = mc.num_heads * (mc.qk_nope_head_dim + mc.qk_rope_head_dim + mc.v_head_dim)
+            mha_bytes = mha * self.dtype.itemsize
+            logger.info(
+                "MLA latent KV cache: %d bytes per token per layer (kv_lora_rank %d + rope %d), "
+                "%d over %d layers; per-head K/V (MHA) would take %d per layer, %d in all (%.1fx)",
+                layer_bytes,
+                mc.kv_lora_rank,
+                mc.qk_rope_head_dim,
+                per_token,
+                mc.num_layers,
+                mha_bytes,
+                mha_bytes * mc.num_layers,
+                mha_bytes / layer_bytes,
+            )
         for extra in (self.drafter, self.eagle):  # their pools have the same blocks
             if extra is not None:
                 per_token += extra.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)

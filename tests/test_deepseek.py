@@ -1,0 +1,144 @@
+"""DeepSeek-V2 and V3 (multi-head latent attention over a paged latent cache, DeepSeek MoE
+routing): greedy tokens and prompt logprobs equal transformers' on tiny random models, with
+chunked prefill, prefix hits and preemption crossed.
+
+V2: plain q_proj (q_lora_rank None), softmax group-limited routing with a scaling factor, YaRN
+rope (its mscale in the softmax scale). V3: compressed queries, sigmoid routing with a random
+non-zero score-correction bias (it picks the experts), renormalized weights; interleaved rope,
+and a second V3 with plain (rotate-half) rope."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dolmus import LLM
+from tests.conftest import TOKENIZER_FILES
+from tests.helpers import greedy, hf_greedy, hf_logprobs, random_prompts, run_tokens
+
+LENGTHS = (1, 5, 17, 40)
+# one latent of 32 + a rotary key of 8, float32, 3 layers
+LATENT_BYTES_PER_TOKEN = 3 * (32 + 8) * 4
+# per-head K (16 + 8) and V (16) of 4 heads, float32: what the same layers would cache as MHA
+MHA_BYTES_PER_TOKEN = 3 * 4 * (16 + 8 + 16) * 4
+
+
+def _config(kind: str):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "v2":
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+        return DeepseekV2Config(
+            **common, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+            rope_parameters=yarn,
+        )  # fmt: skip
+    return DeepseekV3Config(
+        **common, q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=kind == "v3",
+    )  # fmt: skip
+
+
+def build_deepseek_dir(kind: str, folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from dolmus.config import DEFAULT_MODEL_DIR
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero after init: make it matter
+                buffer.copy_(torch.rand_like(buffer) * 0.5)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["v2", "v3", "v3_rotate_half"])
+def deepseek_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deepseek_dir(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(
+    deepseek_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompts = random_prompts(LENGTHS, seed=3)
+    with caplog.at_level(logging.INFO, logger="dolmus.runtime.model_runner"):
+        llm = LLM(str(deepseek_dir), dtype="float32")
+    assert run_tokens(llm, prompts, greedy(16)) == [hf_greedy(deepseek_dir, p, 16) for p in prompts]
+    ids = prompts[-1]
+    ours, theirs = llm.engine.prompt_logprobs(ids), hf_logprobs(deepseek_dir, ids)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    # the cache holds the latent, not per-head K/V, and the start-up log says both sizes
+    assert f"{LATENT_BYTES_PER_TOKEN} over 3 layers" in caplog.text
+    assert f"{MHA_BYTES_PER_TOKEN} in all" in caplog.text
+    assert f"{LATENT_BYTES_PER_TOKEN} bytes per token)" in caplog.text
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_keep_the_tokens(deepseek_dir: Path) -> None:
+    head = random_prompts((48,), seed=4)[0]
+    prompts = random_prompts((20, 33, 7, 60), seed=5, prefix=head)
+    roomy = run_tokens(LLM(str(deepseek_dir), dtype="float32"), prompts, greedy(24))
+    # 12 blocks of 16 tokens of the latent cache
+    budget = LATENT_BYTES_PER_TOKEN * 16 * 12
+    tight = LLM(str(deepseek_dir), dtype="float32", max_num_batched_tokens=32, kv_cache_memory=budget)
+    assert run_tokens(tight, prompts, greedy(24)) == roomy
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_refuses_tensor_parallelism_and_quantized_kv() -> None:
+    from dolmus.config import ModelConfig
+    from dolmus.distributed.parallel_config import ParallelConfig
+    from dolmus.runtime.attention import get_backend
+    from dolmus.runtime.attention.kv_store import kv_bytes_per_token
+    from dolmus.runtime.layers.unquantized import UnquantizedLinearMethod
+    from dolmus.runtime.models.deepseek import DeepseekForCausalLM
+
+    cfg = ModelConfig.from_dict({**_config("v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM.*tensor parallelism"):
+        DeepseekForCausalLM(
+            cfg,
+            torch.float32,
+            UnquantizedLinearMethod(),
+            get_backend("torch"),
+            64,
+            ParallelConfig(tp_rank=0, tp_size=2),
+        )
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8'.*latent"):
+        kv_bytes_per_token("int8", 1, 40, torch.float32, latent=True)
