@@ -44,7 +44,6 @@ def _config(kind: str):
         v_head_dim=16,
         n_routed_experts=8,
         n_shared_experts=1,
-        num_experts_per_tok=2,
         n_group=4,
         topk_group=2,
         first_k_dense_replace=1,
@@ -64,10 +63,10 @@ def _config(kind: str):
         }
         return DeepseekV2Config(
             **common, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
-            rope_parameters=yarn,
+            rope_parameters=yarn, num_experts_per_tok=3,  # more than the kept groups: they matter
         )  # fmt: skip
     return DeepseekV3Config(
-        **common, q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+        **common, q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts_per_tok=2,
         rope_interleave=kind == "v3",
     )  # fmt: skip
 
