@@ -141,3 +141,23 @@ def test_refuses_tensor_parallelism_and_quantized_kv() -> None:
         )
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'.*latent"):
         kv_bytes_per_token("int8", 1, 40, torch.float32, latent=True)
+
+
+def test_the_offload_tier_carries_the_latent_cache(tmp_path: Path) -> None:
+    """Preempted requests come back from the host tier (one latent pool per layer, no values
+    stored apart) with the tokens of a roomy pool."""
+    folder = build_deepseek_dir("v3", tmp_path / "v3")
+    prompts = random_prompts((40, 40, 40, 40), seed=2)
+    roomy = run_tokens(LLM(str(folder), dtype="float32"), prompts, greedy(48))
+    tiered = LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_memory=LATENT_BYTES_PER_TOKEN * 16 * 16,
+        kv_offload="cpu",
+        kv_offload_size=0.01,
+        max_num_seqs=4,
+    )
+    assert run_tokens(tiered, prompts, greedy(48)) == roomy
+    stats = tiered.engine.stats()
+    assert stats.num_preemptions > 0 and stats.preemption_recomputed_tokens == 0
+    assert stats.kv_offload_loaded_tokens > 0
