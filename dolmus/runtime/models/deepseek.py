@@ -29,9 +29,9 @@ from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.ops import TORCH_OPS, LayerOps
 from dolmus.runtime.models.deepseek_moe import DeepseekMoE
-from dolmus.runtime.models.llama import DecoderLayer
+from dolmus.runtime.models.llama import DecoderLayer, fused_name
 from dolmus.runtime.models.mla import DeepseekRotary, MLAAttention
-from dolmus.runtime.models.moe import MoEForCausalLM
+from dolmus.runtime.models.moe import MoEForCausalLM, route_expert_weight
 from dolmus.runtime.models.registry import register_architecture
 
 _ROPE_TYPES = ("default", "linear", "yarn")
@@ -133,6 +133,32 @@ def parse_deepseek_v3(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return _parse_deepseek(raw, source, v3=True)
 
 
+def route_deepseek_weight(name: str) -> tuple[str, str | None]:
+    """A decoder layer's checkpoint tensor as (parameter, shard)."""
+    if ".self_attn." in name:  # MLA's projections load as they are named (no q/k/v fusing)
+        return name, None
+    if ".mlp.gate." in name:  # the router (weight, correction bias)
+        return name, None
+    return route_expert_weight(name) or fused_name(name)  # experts; dense and shared MLPs
+
+
+def deepseek_layer(
+    cfg: ModelConfig,
+    index: int,
+    dtype: torch.dtype,
+    method: LinearMethod,
+    backend: AttentionBackend,
+    ops: LayerOps,
+) -> DecoderLayer:
+    """Decoder layer `index`: MLA, then a dense MLP or (past the first dense layers, every
+    `moe_layer_freq`-th) DeepSeek's experts. The MTP layer past the last is built alike."""
+    moe = None
+    if cfg.num_experts and index not in cfg.dense_layers:
+        moe = DeepseekMoE(cfg, dtype, method, SINGLE_RANK, ops)
+    attention = MLAAttention(cfg, dtype, method, backend, ops)
+    return DecoderLayer(cfg, dtype, method, backend, SINGLE_RANK, ops, mlp=moe, attention=attention)
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -146,19 +172,8 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, SINGLE_RANK)
         self.rotary = DeepseekRotary(cfg, max_len, dtype)
-        dense = set(cfg.dense_layers)
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                cfg,
-                dtype,
-                method,
-                backend,
-                SINGLE_RANK,
-                ops,
-                mlp=None if i in dense else DeepseekMoE(cfg, dtype, method, SINGLE_RANK, ops),
-                attention=MLAAttention(cfg, dtype, method, backend, ops),
-            )
-            for i in range(cfg.num_layers)
+            deepseek_layer(cfg, i, dtype, method, backend, ops) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -209,11 +224,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         return super().keeps_weight(name)
 
     def route_weight(self, name: str) -> tuple[str, str | None]:
-        if ".self_attn." in name:  # MLA's projections load as they are named (no q/k/v fusing)
-            return name, None
-        if ".mlp.gate." in name:  # the router (weight, correction bias)
-            return name, None
-        return super().route_weight(name)
+        return route_deepseek_weight(name)
 
     def fused_decoder(self, kv_caches: list[PagedKV], max_rows: int) -> tuple[None, str]:
         return None, "multi-head latent attention is not in the fused step"
