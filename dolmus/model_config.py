@@ -81,6 +81,15 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
 
+    def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
+        """(heads, numbers per head, value numbers) one layer caches per token: `num_kv_heads`
+        (this rank's; default all) of head_dim, values alike (None); or, under multi-head
+        latent attention, one vector (the latent, then the rotated shared key) whose latent
+        part is the values (runtime/attention/kv_store.py's LatentPagedKV)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+        return (self.num_kv_heads if num_kv_heads is None else num_kv_heads), self.head_dim, None
+
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
         path = Path(path)

@@ -161,3 +161,83 @@ def test_the_offload_tier_carries_the_latent_cache(tmp_path: Path) -> None:
     stats = tiered.engine.stats()
     assert stats.num_preemptions > 0 and stats.preemption_recomputed_tokens == 0
     assert stats.kv_offload_loaded_tokens > 0
+
+
+def _add_mtp_layer(folder: Path, successor: dict[int, int]) -> None:
+    """Write a DeepSeek-V3 MTP layer (model.layers.3.*) into the checkpoint, as the hub's V3
+    files carry it: a random MoE decoder layer whose output is damped, eh_proj passing the next
+    token's normed embedding through, and a shared head that maps each token's embedding to
+    the target's greedy successor of that token (`successor`): drafts that are right exactly
+    when the drafter feeds the layer the right token at the right position."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config("v3")
+    cfg.num_hidden_layers = 4
+    torch.manual_seed(1)
+    donor = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    donor.save_pretrained(folder / "donor")
+    layer = {k: v for k, v in load_file(folder / "donor" / "model.safetensors").items() if ".layers.3." in k}
+    shutil.rmtree(folder / "donor")
+    for name in layer:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            layer[name] = layer[name] * 0.1
+    weights = load_file(folder / "model.safetensors")
+    hidden = cfg.hidden_size
+    embed = weights["model.embed_tokens.weight"]
+    unit = embed / embed.norm(dim=-1, keepdim=True)
+    head = torch.zeros(cfg.vocab_size, hidden)
+    for token, after in successor.items():
+        head[after] += 20 * unit[token]
+    layer.update(
+        {
+            "model.layers.3.enorm.weight": torch.ones(hidden),
+            "model.layers.3.hnorm.weight": torch.ones(hidden),
+            "model.layers.3.eh_proj.weight": torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1),
+            "model.layers.3.shared_head.norm.weight": torch.ones(hidden),
+            "model.layers.3.shared_head.head.weight": head,
+        }
+    )
+    save_file({**weights, **layer}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_mtp_drafts_keep_the_output_and_are_accepted(tmp_path: Path) -> None:
+    """Speculative decoding with the MTP layer gives the plain greedy tokens, with chunked
+    prefill, prefix hits and preemption crossed, and its drafts are accepted."""
+    folder = build_deepseek_dir("v3", tmp_path / "v3")
+    head = random_prompts((20,), seed=7)[0]
+    prompts = random_prompts((5, 17, 40, 9), seed=6, prefix=head)
+    plain = run_tokens(LLM(str(folder), dtype="float32"), prompts, greedy(40))
+    successor = {}
+    for prompt, out in zip(prompts, plain):
+        run = prompt[-1:] + out
+        successor.update(zip(run, run[1:]))
+    _add_mtp_layer(folder, successor)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    # the MTP layer's latent pool shares the target's blocks: 4 latent layers, 12 blocks
+    budget = LATENT_BYTES_PER_TOKEN * 4 // 3 * 16 * 12
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        speculative_config=spec,
+        max_num_batched_tokens=16,
+        kv_cache_memory=budget,
+    )
+    assert run_tokens(llm, prompts, greedy(40)) == plain
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens // 4
+
+
+def test_a_deepseek_draft_model_keeps_its_latent_pools(tmp_path: Path) -> None:
+    """A DeepSeek model as the draft model (itself: every draft is right) drafts from latent
+    pools of its own in the target's blocks."""
+    folder = build_deepseek_dir("v2", tmp_path / "v2")
+    prompts = random_prompts((5, 30), seed=8)
+    plain = run_tokens(LLM(str(folder), dtype="float32"), prompts, greedy(24))
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(folder), dtype="float32", speculative_config=spec)
+    assert run_tokens(llm, prompts, greedy(24)) == plain
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
