@@ -212,8 +212,10 @@ def test_mtp_drafts_keep_the_output_and_are_accepted(tmp_path: Path) -> None:
     for prompt, out in zip(prompts, plain):
         run = prompt[-1:] + out
         successor.update(zip(run, run[1:]))
-    _add_mtp_layer(folder, successor)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        LLM(str(folder), dtype="float32", speculative_config=spec)
+    _add_mtp_layer(folder, successor)
     # the MTP layer's latent pool shares the target's blocks: 4 latent layers, 12 blocks
     budget = LATENT_BYTES_PER_TOKEN * 4 // 3 * 16 * 12
     llm = LLM(

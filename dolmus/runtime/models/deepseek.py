@@ -3,7 +3,10 @@
 The Llama decoder (pre-norm residual blocks, SiLU-gated MLPs) with DeepSeek's two changes:
 multi-head latent attention over a paged latent cache (mla.py), and, from layer
 `first_k_dense_replace` on (every `moe_layer_freq`-th), a Mixture-of-Experts block with shared
-experts and DeepSeek's routers (deepseek_moe.py); the other layers keep a dense MLP.
+experts and DeepSeek's routers (deepseek_moe.py); the other layers keep a dense MLP. (Layer
+choice as DeepSeek's reference code; transformers ignores `moe_layer_freq`, which is 1 in every
+published config.) V3 checkpoints' multi-token-prediction layer, past the last decoder layer,
+is skipped here and drafts for speculative decoding (`method: "mtp"`, deepseek_mtp.py).
 
 Not supported, with a clear error: tensor parallelism (MLA's heads are not split here),
 quantized KV caches (kv_store.py), GGUF files (llama.cpp's "deepseek2" type is not registered).

@@ -181,7 +181,9 @@ class DecoderLayer(nn.Module):
         attention(x, cos_sin, kv_cache, meta)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = attention or Attention(cfg, dtype, method, backend, parallel, ops)
+        self.self_attn = (
+            attention if attention is not None else Attention(cfg, dtype, method, backend, parallel, ops)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = mlp if mlp is not None else MLP(cfg, dtype, method, parallel, ops)
 
