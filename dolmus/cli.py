@@ -373,7 +373,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients see (default: the folder's name, or the GGUF's file stem); the "
+        "--model path is accepted in requests too",
+    )
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or DOLMUS_API_KEY)")
     g.add_argument(
         "--tiers", default=None, help="YAML file of tiers and API keys, each with a tier and quotas"

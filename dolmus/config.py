@@ -536,7 +536,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # defaults to the --model argument (or "stories260k")
+    # defaults to a short name of --model (server/model_names.py); the path stays accepted
+    served_model_name: str | None = None
     api_key: str | None = None  # also read from DOLMUS_API_KEY
     tiers: str | None = None  # a YAML file of tiers and API keys with quotas (server/access.py)
     chat_template: str | None = None  # a jinja2 file, or the template itself
@@ -585,9 +586,6 @@ class ServerConfig:
                     f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)"
                 )
         check_choices(self)
-
-    def model_name(self, engine: EngineConfig) -> str:
-        return self.served_model_name or engine.model or "stories260k"
 
     def load_chat_template(self) -> str | None:
         """The --chat-template value as template text: a file's contents, or the text itself."""

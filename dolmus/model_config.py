@@ -48,7 +48,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     hidden_act: str
-    sliding_window: int | None
+    sliding_window: int | None  # keys a query attends to, itself included: (p - window, p]
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -62,6 +62,14 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: list[int] = field(default_factory=list)
+    # The layers that attend within `sliding_window` (the others attend to everything); None:
+    # every layer, when sliding_window is set (Mistral). Gemma 3 and Qwen2 mix the two kinds.
+    sliding_layers: list[int] | None = None
+    # Gemma 3: the softmax scale (None: head_dim ** -0.5), the rotary base of the windowed
+    # layers (None: rope_theta, as every other layer), and tanh capping of the final logits
+    attention_scale: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
     # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: not MLA): the ranks of the
     # compressed query (0: a plain q_proj) and key/value latent, each head's non-rotary and
     # rotary query/key parts and its value size, and whether rotary pairs are interleaved
@@ -80,6 +88,21 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of one layer; None: it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within, so KV older than it is never read again; None
+        when any layer attends to the whole context (then no block can be freed early)."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
         """(heads, numbers per head, value numbers) one layer caches per token: `num_kv_heads`
@@ -158,13 +181,14 @@ def parse_common_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
-    sliding = raw.get("sliding_window")
+    num_layers = int(need("num_hidden_layers"))
+    window, sliding_layers = read_sliding_window(raw, num_layers, source)
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return dict(
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -176,10 +200,38 @@ def parse_common_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=False,
         hidden_act=act,
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
         dtype=DTYPE_NAMES.get(str(dtype_name), torch.float32),
         quantization_config=raw.get("quantization_config"),
     )
+
+
+def read_sliding_window(
+    raw: dict[str, Any], num_layers: int, source: str, default_layers: list[int] | None = None
+) -> tuple[int | None, list[int] | None]:
+    """(window, the layers that use it) as transformers reads them: `layer_types` where the
+    config lists them, else the family's `default_layers` (None: every layer, as Mistral). No
+    window where `use_sliding_window` is false (Qwen's configs carry one they do not use) or no
+    layer uses it; layers None: all of them."""
+    window = raw.get("sliding_window")
+    if not window or raw.get("use_sliding_window", True) is False:
+        return None, None
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"model: {source} lists {len(types)} layer_types for {num_layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"model: {source} has layer_types {sorted(unknown)} (not supported)")
+        layers: list[int] | None = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
+        layers = default_layers
+    if layers is not None and not layers:
+        return None, None
+    if layers == list(range(num_layers)):
+        layers = None
+    return int(window), layers
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -14,6 +14,8 @@ from dolmus.runtime.models.llama import LlamaForCausalLM
 SUPPORTED = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -29,7 +31,11 @@ MOE = [
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 ]
-DENSE = [name for name in SUPPORTED if name not in MOE]  # the Llama class itself
+OWN_LAYERS = [
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+]  # a subclass of Llama's with layers of its own
+DENSE = [name for name in SUPPORTED if name not in MOE + OWN_LAYERS]  # the Llama class itself
 BASE = dict(
     vocab_size=512,
     hidden_size=64,
@@ -48,7 +54,7 @@ def _parse(arch: str, **extra: Any) -> ModelConfig:
 def test_the_family_files_register_every_supported_architecture() -> None:
     assert registry.supported_architectures() == SUPPORTED
     assert all(registry.model_class(name) is LlamaForCausalLM for name in DENSE)
-    assert all(issubclass(registry.model_class(name), LlamaForCausalLM) for name in MOE)
+    assert all(issubclass(registry.model_class(name), LlamaForCausalLM) for name in MOE + OWN_LAYERS)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
@@ -67,7 +73,13 @@ def test_each_architecture_parses_its_own_facts() -> None:
     assert not _parse("Qwen2ForCausalLM", attention_bias=False).attention_bias
     # Qwen2 carries a window it only uses when asked; Mistral's is real.
     assert (mistral.sliding_window, qwen2.sliding_window) == (256, None)
-    assert _parse("Qwen2ForCausalLM", use_sliding_window=True).sliding_window == 256
+    # ... and then in the layers from max_window_layers on (transformers' default: 28)
+    windowed = _parse("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=0)
+    assert (windowed.sliding_window, windowed.kv_window) == (256, 256)
+    mixed = _parse("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1)
+    assert [mixed.window_of(i) for i in range(2)] == [None, 256] and mixed.kv_window is None
+    assert _parse("Qwen2ForCausalLM", use_sliding_window=True).sliding_window is None
+    assert llama.sliding_window is None  # transformers' Llama ignores the field
     # The shared fields come out the same for every architecture.
     assert {c.architecture for c in (llama, mistral, qwen2, qwen3)} == set(DENSE)
     mixtral = _parse("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
@@ -121,5 +133,7 @@ def test_gguf_types_map_through_the_registry(monkeypatch, tmp_path) -> None:
     assert raw["architectures"] == ["MistralForCausalLM"]
     assert ModelConfig.from_dict(raw).sliding_window == 256
     metadata["model_type"] = "gemma"
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported \(llama, mistral, "):
+    with pytest.raises(
+        ValueError, match=r"GGUF architecture 'gemma' is not supported \(gemma3, llama, mistral, "
+    ):
         gguf_config(path)

@@ -260,7 +260,6 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": "gpt-4", "prompt": "hi"}, "model"),
         ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "n": 0}, "n"),
@@ -277,6 +276,14 @@ def test_bad_completion_fields_are_400(server: RemoteServer, body: dict, param: 
     err = _assert_error(httpx.post(f"{server.url}/v1/completions", json=body), 400)
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param
+
+
+def test_unknown_model_is_404_in_the_same_shape(server: RemoteServer) -> None:
+    err = _assert_error(
+        httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404
+    )
+    assert err["type"] == "invalid_request_error"  # as OpenAI types it
+    assert err["param"] == "model" and err["code"] == "model_not_found"
 
 
 def test_bad_chat_fields_are_400(server: RemoteServer) -> None:
@@ -304,7 +311,7 @@ def test_malformed_json_unknown_route_and_big_body(server: RemoteServer) -> None
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="not-this-one", prompt="hi")
     assert info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_helpers import RemoteServer
 
-from dolmus.server.serving import _ToolStream
+from dolmus.server.openai.chat import ToolStream
 from dolmus.server.tools import ToolPlan, extract_calls
 
 MODEL = "stories260k"
@@ -249,7 +249,7 @@ def test_auto_tool_calls_parse_hermes_blocks() -> None:
     assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
     assert extract_calls(plan, "no calls here") == ("no calls here", [])
 
-    stream = _ToolStream(plan)
+    stream = ToolStream(plan)
     pieces = [
         "Let me ",
         "check.\n<tool",

@@ -81,14 +81,6 @@ class Engine:
         spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
         self.executor = executor or make_executor(spec)
         num_blocks = self.executor.info.num_blocks
-        capacity = num_blocks * config.block_size
-        if capacity < self.max_model_len:
-            logger.warning(
-                "max_model_len lowered from %d to %d: the KV cache holds no more",
-                self.max_model_len,
-                capacity,
-            )
-            self.max_model_len = capacity
         try:  # last to fail: a port in use must not leave worker processes behind
             self._kv_events = make_publisher(config.kv_events_config, config.block_size)
         except Exception:
@@ -114,7 +106,12 @@ class Engine:
             if self._kv_events is not None:
                 self._kv_events.close()
             raise
+        # Every layer windowed: a request gives back the blocks behind its window as it runs. Not
+        # with a KV connector, which saves and loads a request's whole table by its hashes.
+        if self.connector is None:
+            self.kv.window = mc.kv_window
         budget = config.resolve_batched_tokens(self.device, info.step_tokens)
+        self._fit_max_model_len(num_blocks, budget)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
         self.scheduler = Scheduler(
@@ -171,15 +168,28 @@ class Engine:
         if self.connector is not None:
             self.connector.close()
 
+    def _fit_max_model_len(self, num_blocks: int, budget: int) -> None:
+        """Lower max_model_len to what the KV cache holds, unless requests give back blocks
+        behind a sliding window: then any length runs in the blocks of one window and a step's
+        chunk (prompt_logprobs, which holds a whole text at once, checks its own room)."""
+        bs = self.config.block_size
+        window = self.kv.window
+        if window is not None and num_blocks >= -(-(window + budget) // bs) + 1:
+            return
+        capacity = num_blocks * bs
+        if capacity < self.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds no more",
+                self.max_model_len,
+                capacity,
+            )
+            self.max_model_len = capacity
+
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
         length = self.config.max_model_len or limit
         if length > limit:
             raise ValueError(f"max_model_len {length} exceeds the model's context length {limit}")
-        if mc.sliding_window is not None and mc.sliding_window < length:
-            # Sliding-window attention is not implemented; within the window it is exact.
-            logger.warning("max_model_len capped at the sliding window, %d", mc.sliding_window)
-            length = mc.sliding_window
         return length
 
     # -- requests -------------------------------------------------------------------
@@ -538,7 +548,7 @@ class Engine:
                     output_tokens=req.num_output_tokens,
                     computed_tokens=req.num_computed_tokens,
                     cached_tokens=max(req.num_cached_tokens, 0),
-                    blocks=self.kv.num_blocks_of(req.request_id),
+                    blocks=self.kv.num_held_blocks(req.request_id),
                     age_s=now - req.timings.arrival,
                     num_preemptions=req.num_preemptions,
                 )

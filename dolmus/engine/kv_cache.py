@@ -6,6 +6,16 @@ this module hands out block ids. Prefix caching keys every *full* block by a cha
 A block whose last user left keeps its hash and sits in a free queue in LRU order; it is
 only forgotten when the queue's head is taken for new data (lazy eviction).
 
+With a sliding window over every layer (`KVCacheManager.window`), a running request gives back
+the blocks that lie wholly before the window of every query it has still to compute, so the KV
+it holds stays within the window plus two blocks however long it runs. They leave as any
+finished request's blocks do, hashes kept (a later request may still hit them, and prefix hits
+stay exact: a chain whose early blocks were since evicted matches only up to them); its block
+table keeps their ids at those positions, which attention never reads again (the window mask)
+and no write reaches (a step writes only at the positions it computes). Models that mix
+windowed and full-attention layers (Gemma 3, Qwen2 with max_window_layers) free nothing early:
+their full layers read everything (a per-layer-group allocator would be needed).
+
 With events on, the cache also keeps a log of what it announces and forgets (plain records,
 no sockets: the engine drains them once a step and engine/kv_events.py puts them on the
 wire), so a router outside the process can mirror which hashes this cache holds.
@@ -182,6 +192,10 @@ class KVCacheManager:
         self.events: list[CacheEvent] | None = [] if record_events else None
         self.pool = BlockPool(num_blocks, enable_prefix_caching, self.events)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The sliding window of every attention layer, when blocks out of it are freed early
+        # (set by the engine; None: a request holds all its blocks until it ends).
+        self.window: int | None = None
+        self._released: dict[str, int] = {}  # leading blocks of a request given back early
         self._num_published: dict[str, int] = {}  # leading blocks already registered
         # Blocks registered during the step being scheduled, whose KV the coming forward pass
         # writes: visible to requests admitted in the same step (every layer writes the whole
@@ -243,8 +257,13 @@ class KVCacheManager:
         have = self.req_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(have) - len(cached)
-        # Cache hits sitting idle in the free queue stop counting as free once taken.
-        idle_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        # Cache hits sitting idle in the free queue stop counting as free once taken (but for
+        # those behind the window, which go straight back).
+        behind = 0
+        if self.window is not None and cached:
+            first_read = request.num_computed_tokens + len(cached) * self.block_size - self.window + 1
+            behind = max(first_read, 0) // self.block_size
+        idle_hits = sum(1 for b in cached[behind:] if b.ref_cnt == 0)
         return max(needed, 0) + idle_hits
 
     def allocate(
@@ -256,6 +275,7 @@ class KVCacheManager:
         of its block table and its num_computed_tokens moves past them. `publish` False: the
         new tokens' KV comes from a load, not this step's forward pass (see publish_loaded).
         """
+        self._release_outside_window(request)
         if not self.can_fit(request, num_new_tokens, cached):
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -267,6 +287,7 @@ class KVCacheManager:
             self.pool.share(cached)
             blocks.extend(cached)
             request.num_computed_tokens += len(cached) * self.block_size
+            self._release_outside_window(request)
         total = request.num_computed_tokens + num_new_tokens
         missing = -(-total // self.block_size) - len(blocks)
         if missing > 0:
@@ -274,6 +295,24 @@ class KVCacheManager:
         if self.enable_prefix_caching and publish:
             self._register_full_blocks(request, blocks, total)
         return True
+
+    def _release_outside_window(self, request: Request) -> None:
+        """Give back the request's blocks that no query from its next one on reads: the query at
+        position p reads keys in (p - window, p], and p >= num_computed_tokens from now on."""
+        if self.window is None:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        first_read = request.num_computed_tokens - self.window + 1
+        upto = min(max(first_read, 0) // self.block_size, len(blocks))
+        done = self._released.get(rid, 0)
+        if upto > done:
+            # Oldest first: evicted before the request's later blocks, and every block of it
+            # was written in an earlier step (never a fresh one of this step).
+            self.pool.release(blocks[done:upto])
+            self._released[rid] = upto
 
     def _register_full_blocks(
         self, request: Request, blocks: list[KVBlock], num_tokens: int, written: bool = False
@@ -288,7 +327,8 @@ class KVCacheManager:
         """
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self._num_published.get(request.request_id, 0)
+        # never a block given back early: it may be another request's by now
+        start = max(self._num_published.get(request.request_id, 0), self._released.get(request.request_id, 0))
         hashes = request.block_hashes
         keep_tokens = self.events is not None
         announced: list[tuple[int, bytes, bytes | None, list[int]]] = []
@@ -381,14 +421,20 @@ class KVCacheManager:
         self._unannounced.pop(rid, None)  # never written, so never announced
         blocks = self.req_blocks.pop(rid, [])
         self._num_published.pop(rid, None)
-        self.pool.release(list(reversed(blocks)))
+        released = self._released.pop(rid, 0)  # given back already
+        self.pool.release(list(reversed(blocks[released:])))
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block ids from its `start`-th block on (the runner holds the rest)."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
 
     def num_blocks_of(self, request_id: str) -> int:
+        """Length of the request's block table (blocks given back early included)."""
         return len(self.req_blocks.get(request_id, ()))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now: its table less those given back outside its window."""
+        return self.num_blocks_of(request_id) - self._released.get(request_id, 0)
 
     # -- counters -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class SchedulerOutput:
     """One step: the plan for the runner (plain data) and the engine-side view of it."""
@@ -74,7 +75,7 @@ class Scheduler:
         # What the runner holds: request id -> how many of its block ids it has been sent.
         self._sent_blocks: dict[str, int] = {}
         self.book = TierBook(
-            tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_blocks_of
+            tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_held_blocks
         )
         self.drafts = DraftPlanner(speculative, kv, self.book, max_model_len) if speculative else None
 

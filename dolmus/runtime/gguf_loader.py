@@ -9,7 +9,8 @@ BF16, the IQ types, ...) is dequantized to float on load (add --quantization to 
 those for our kernels). The file's type maps to a
 registered architecture (runtime/models/registry.py); names map back to Hugging Face's,
 and where the architecture says llama.cpp interleaves the q/k rotary halves (Llama,
-Mistral, Mixtral) those rows are permuted back to Hugging Face's halves.
+Mistral, Mixtral) those rows are permuted back to Hugging Face's halves; a family may rename
+some per-layer tensors (Gemma 3's four norms) and store its norms with an offset (Gemma's 1 + w).
 
 Mixture-of-Experts files (`{arch}.expert_count` set: "llama" as Mixtral, "qwen2moe",
 "qwen3moe") keep each layer's experts in three stacked tensors, `ffn_{gate,up,down}_exps`
@@ -67,6 +68,8 @@ _PER_LAYER = {
 # the experts, stacked [experts, rows, inputs] in one tensor each: per expert, its matrix
 EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LEGACY_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# transformers' model_type for a GGUF `general.architecture` it renames on reading
+_RENAMED_BY_TRANSFORMERS = {"gemma3_text": "gemma3"}
 _IGNORED = ("rope_freqs.weight",)  # recomputed from the config
 _LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 
@@ -90,7 +93,8 @@ def gguf_config(path: Path) -> dict[str, Any]:
     # A file with experts is read by its own type: transformers knows no Mixtral in "llama"
     # files and renames llama.cpp's "qwen2moe"/"qwen3moe"; without, by transformers' (which
     # tells a Mistral "llama" file by its name).
-    gguf_type = _file_type(path) if experts else raw.get("model_type")
+    model_type = raw.get("model_type")
+    gguf_type = _file_type(path) if experts else _RENAMED_BY_TRANSFORMERS.get(model_type, model_type)
     raw["architectures"] = [registry.architecture_for_gguf(gguf_type, experts > 0).name]
     if experts:
         raw.update(_expert_fields(path, experts))
@@ -286,7 +290,9 @@ def iter_gguf_weights(
         bar = tqdm(total=len(reader.tensors), desc="Loading GGUF", unit="tensor", leave=False)
     quantized: set[str] = set()
     kept: set[str] = set()
-    permuted = registry.architecture(architecture).gguf_interleaved_qk
+    arch = registry.architecture(architecture)
+    permuted = arch.gguf_interleaved_qk
+    per_layer = {**_PER_LAYER, **dict(arch.gguf_layer_names)}
     tied_head = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
         if bar is not None:
@@ -298,7 +304,7 @@ def iter_gguf_weights(
         if stack is not None:
             yield from _experts(t, stack, shape, kept, quantized)
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, per_layer)
         type_name = t.tensor_type.name
         blocks = type_name in GGUF_BLOCK_TYPES and len(shape) == 2
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -312,6 +318,8 @@ def iter_gguf_weights(
             tensor = torch.from_numpy(array.reshape(shape).copy())
         if name.endswith("shared_expert_gate.weight") and isinstance(tensor, torch.Tensor):
             tensor = tensor.reshape(1, -1)  # llama.cpp keeps it as a vector
+        if arch.gguf_norm_offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor - arch.gguf_norm_offset  # stored as offset + w (Gemma's 1 + w)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if "q_proj" in name else num_kv_heads
             if isinstance(tensor, BlockCodes):  # rows move with their scales
@@ -390,12 +398,12 @@ def hf_to_gguf_name(name: str) -> str:
     raise ValueError(f"convert: tensor {name!r} has no GGUF name here")
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, per_layer: dict[str, str]) -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{parts[3]}"
     if len(parts) == 5 and parts[0] == "blk" and parts[2] in _LEGACY_EXPERT and parts[3].isdigit():
         # llama.cpp's first Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_LEGACY_EXPERT[parts[2]]}.{parts[4]}"

@@ -31,6 +31,9 @@ from dolmus.outputs import RequestOutput
 from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.live_stats import LiveStats
+from dolmus.server.model_names import ModelNames
+from dolmus.server.openai.chat import OpenAIChat
+from dolmus.server.openai.completions import OpenAICompletions
 from dolmus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,7 +41,7 @@ from dolmus.server.protocol import (
     TokenizeRequest,
 )
 from dolmus.server.router_compat import add_router_routes
-from dolmus.server.serving import SAMPLING_DEFAULTS, OpenAIServing
+from dolmus.server.serving_common import SAMPLING_DEFAULTS, Serving
 from dolmus.server.ui_files import ui_file
 
 logger = logging.getLogger(__name__)
@@ -55,14 +58,17 @@ class ServerState:
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.server_config = server_config
-        self.model_name = server_config.model_name(engine_config)
+        self.names = ModelNames.for_model(engine_config.model, server_config.served_model_name)
+        self.model_name = self.names.served
         self.chat_template = server_config.load_chat_template()  # fail before loading a model
         self.access = AccessPolicy.build(server_config.tiers, server_config.api_key)
         if not engine_config.tier_specs:  # the tiers file's reservations and rules, to the scheduler
             engine_config = dataclasses.replace(engine_config, tier_specs=self.access.engine_tiers())
         self.engine_config = engine_config
         self.engine: AsyncEngine | EngineCoreClient | DataParallelClient | None = None
-        self.serving: OpenAIServing | None = None
+        self.serving: Serving | None = None
+        self.completions: OpenAICompletions | None = None  # the API modules, over `serving`
+        self.chat: OpenAIChat | None = None
         self.metrics: EngineMetrics | None = None
         self.live: LiveStats | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -120,14 +126,17 @@ class ServerState:
         self.live = LiveStats(lambda: engine.stats, self.server_config.gpu_hour_cost)
         self._sampler = asyncio.create_task(self.live.run())
         self.engine = engine
-        self.serving = OpenAIServing(
+        serving = Serving(
             engine,
-            self.model_name,
+            self.names,
             self.chat_template,
             self.server_config.max_waiting,
             self.server_config.max_n,
             self.server_config.gpu_hour_cost,
         )
+        self.completions = OpenAICompletions(serving)
+        self.chat = OpenAIChat(serving)
+        self.serving = serving
         # What is loaded lives as long as the server: out of the collector's sight, a full
         # collection no longer walks it (30-150 ms pauses every few seconds held streams back).
         gc.collect()
@@ -175,7 +184,7 @@ class ServerState:
             },
         }
 
-    def ready(self) -> OpenAIServing:
+    def ready(self) -> Serving:
         if self.serving is None or self.engine is None:
             raise APIError(
                 503, "the model is still loading" if self.load_error is None else "the model failed to load"
@@ -283,13 +292,17 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     ) -> Any:
         client = _client(raw)
         priority = _priority(state.access, client, body.priority, x_priority)
-        return await state.ready().completions(body, priority, raw, client)
+        state.ready()
+        assert state.completions is not None
+        return await state.completions.create(body, priority, raw, client)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
         client = _client(raw)
         priority = _priority(state.access, client, body.priority, x_priority)
-        return await state.ready().chat(body, priority, raw, client)
+        state.ready()
+        assert state.chat is not None
+        return await state.chat.create(body, priority, raw, client)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -298,7 +311,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = await serving.render(body.messages, body.add_generation_prompt)
+            assert state.chat is not None
+            ids = await state.chat.render(body.messages, body.add_generation_prompt)
         else:
             ids = await asyncio.to_thread(
                 serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens

@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-Status codes: 400 bad field or body, 401 missing/wrong API key, 404 unknown route,
+Status codes: 400 bad field or body, 401 missing/wrong API key, 404 unknown route or model,
 413 body too large, 429 waiting queue full (with Retry-After), 503 model still loading
 or engine stopped, 500 anything unexpected.
 """
@@ -26,6 +26,9 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
+# where OpenAI types an error by what went wrong rather than by status: an unknown model is a
+# 404 of type invalid_request_error (a request naming a model, not a missing route)
+_TYPE_OF_CODE = {"model_not_found": "invalid_request_error"}
 
 
 class APIError(Exception):
@@ -51,7 +54,7 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "invalid_request_error"),
+            "type": _TYPE_OF_CODE.get(code or "") or _TYPES.get(status, "invalid_request_error"),
             "param": param,
             "code": code,
         }

@@ -6,6 +6,11 @@ xgrammar and llguidance share) and advances with each accepted token. Compiling 
 expensive part (milliseconds to seconds for large schemas), so the cache compiles each
 distinct spec once; the server compiles in a worker thread before a request reaches the
 engine, so the step loop only ever finds compiled grammars.
+
+The cache is a least-recently-used map bounded both by count and by bytes: every distinct
+schema a client sends would otherwise stay compiled for the life of the server. Bytes are
+each backend's estimate of what a compiled grammar holds (`GrammarBackend.size_bytes`). An
+evicted spec compiles again on its next use, so eviction costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -43,6 +49,10 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def new_state(self, compiled: Any) -> GrammarState: ...
+
+    @abstractmethod
+    def size_bytes(self, compiled: Any) -> int:
+        """About how much memory `compiled` holds, for the cache's byte bound."""
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
@@ -88,19 +98,43 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
+# Bounds of the compiled-grammar cache. A compiled JSON-schema grammar for a ~150k-token
+# vocabulary is a few MB in xgrammar (its per-state token masks); 512 MiB is what vLLM gives
+# xgrammar's cache by default. The count bound caps the small ones (a regex, a choice).
+GRAMMAR_CACHE_ENTRIES = 1024
+GRAMMAR_CACHE_BYTES = 512 << 20
+
+
 class GrammarCache:
-    """Compiles each distinct spec once (thread-safe) and hands out fresh matcher states."""
+    """Compiles each distinct spec once (thread-safe), keeps the most recently used ones within
+    `max_entries` and `max_bytes`, and hands out fresh matcher states."""
 
     def __init__(
         self,
         backend_factory: Callable[[], GrammarBackend],
         on_compiled: Callable[[float], None] | None = None,
+        max_entries: int = GRAMMAR_CACHE_ENTRIES,
+        max_bytes: int = GRAMMAR_CACHE_BYTES,
     ) -> None:
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError(
+                f"grammar cache bounds must be >= 1, got max_entries={max_entries}, max_bytes={max_bytes}"
+            )
         self._factory = backend_factory
         self._backend: GrammarBackend | None = None
-        self._compiled: dict[StructuredOutput, Any] = {}
+        self._compiled: OrderedDict[StructuredOutput, tuple[Any, int]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.on_compiled = on_compiled
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the estimated size of what the cache holds now
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def __contains__(self, spec: StructuredOutput) -> bool:
+        return spec in self._compiled
 
     def _get_backend(self) -> GrammarBackend:
         with self._lock:
@@ -109,19 +143,37 @@ class GrammarCache:
             return self._backend
 
     def compile(self, spec: StructuredOutput) -> Any:
-        compiled = self._compiled.get(spec)
-        if compiled is not None:
-            return compiled
+        with self._lock:
+            found = self._compiled.get(spec)
+            if found is not None:
+                self._compiled.move_to_end(spec)
+                return found[0]
         backend = self._get_backend()
         start = time.perf_counter()
-        compiled = backend.compile(spec)
+        compiled = backend.compile(spec)  # outside the lock: other specs compile meanwhile
         elapsed = time.perf_counter() - start
+        size = max(int(backend.size_bytes(compiled)), 1)
         with self._lock:
-            if spec not in self._compiled:
-                self._compiled[spec] = compiled
-                if self.on_compiled is not None:
-                    self.on_compiled(elapsed)
-            return self._compiled[spec]
+            found = self._compiled.get(spec)
+            if found is not None:  # another thread compiled it first: keep one copy
+                self._compiled.move_to_end(spec)
+                return found[0]
+            self._compiled[spec] = (compiled, size)
+            self.bytes += size
+            self._evict()
+            if self.on_compiled is not None:
+                self.on_compiled(elapsed)
+            return compiled
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars until both bounds hold; the newest stays even
+        alone over the byte bound (it is in use: the request that compiled it needs it)."""
+        while len(self._compiled) > 1 and (
+            len(self._compiled) > self.max_entries or self.bytes > self.max_bytes
+        ):
+            _, (_, size) = self._compiled.popitem(last=False)
+            self.bytes -= size
+            self.evictions += 1
 
     def new_state(self, spec: StructuredOutput) -> GrammarState:
         return self._get_backend().new_state(self.compile(spec))

@@ -26,7 +26,9 @@ class XGrammarBackend(GrammarBackend):
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        # No cache of xgrammar's own: GrammarCache is the one (bounded) cache of compiled
+        # grammars; xgrammar's would keep every distinct schema again, without a bound.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._no_control = _no_control_mask(info.decoded_vocab, vocab_size, set(stop_token_ids))
 
     def compile(self, spec: StructuredOutput) -> _Compiled:
@@ -51,6 +53,11 @@ class XGrammarBackend(GrammarBackend):
         return _XGrammarState(
             self._xgr.GrammarMatcher(compiled.grammar), self._no_control if compiled.is_json else None
         )
+
+    def size_bytes(self, compiled: _Compiled) -> int:
+        # xgrammar measures its own compiled grammar (rules plus the adaptive token masks
+        # it precomputes per state): the bulk of what a grammar holds
+        return int(compiled.grammar.memory_size_bytes)
 
 
 def _no_control_mask(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:

@@ -71,11 +71,16 @@ class AttentionBackend(ABC):
         kv_cache: PagedKV,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k/v to the cache, returns [T, Hq * D].
 
         All new keys and values of the step are written before any sequence reads the
         cache: a request admitted in the same step as another may share its fresh blocks.
+        `window`: the query at position p attends only to keys in (p - window, p] (sliding-window
+        attention, as transformers' masks have it). Blocks wholly before every query's window
+        may have been freed and reused by other requests (engine/kv_cache.py): a backend must
+        give them no weight.
         """
 
 

@@ -5,8 +5,9 @@ The decode kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads ea
 of a plain cache in place: no gathers, no padding, one call per decode group (~3x faster than gather +
 SDPA at batch 1, ~5x at 32 sequences). The prefill kernel (prefill_attention.c) takes every
 prompt chunk of the step in one call, also from the cache in place (~2x faster than SDPA on a
-128-token prompt). Quantized caches and shapes the kernels do not take go through SDPA as in
-the torch backend.
+128-token prompt). The decode kernel takes a sliding window (it reads only the window's
+positions); the prefill kernel does not, so chunks a window cuts go through SDPA, as do
+quantized caches and shapes the kernels do not take, as in the torch backend.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import torch
 from dolmus.runtime import native
 from dolmus.runtime.attention.backend import BatchLayout, register_backend
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.attention.torch_sdpa import DecodeGroup, PrefillTable, SDPAMetadata, TorchSDPABackend
+from dolmus.runtime.attention.torch_sdpa import (
+    DecodeGroup,
+    PrefillSeq,
+    PrefillTable,
+    SDPAMetadata,
+    TorchSDPABackend,
+)
 from dolmus.runtime.native import ops as native_ops
 
 
@@ -45,12 +52,14 @@ class NativeCPUBackend(TorchSDPABackend):
         v: torch.Tensor,
         kv_cache: PagedKV,
         meta: SDPAMetadata,
+        prefills: list[PrefillSeq],
         out: torch.Tensor,
         scale: float,
     ) -> None:
         table, head_dim = meta.prefill_table, q.shape[2]
         if (
             table is not None
+            and prefills is meta.prefills  # no chunk cut by a sliding window (the kernel has none)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype == torch.bfloat16
             and head_dim % 32 == 0
@@ -71,7 +80,7 @@ class NativeCPUBackend(TorchSDPABackend):
             )
         ):
             return
-        super()._prefills(q, k, v, kv_cache, meta, out, scale)
+        super()._prefills(q, k, v, kv_cache, meta, prefills, out, scale)
 
     def _decode(
         self,
@@ -95,13 +104,15 @@ class NativeCPUBackend(TorchSDPABackend):
             super()._decode(q, kv_cache, g, out, block_size, scale)
             return
         n = g.count
+        # a windowed group's table starts `offset` positions in: lengths count from there
         native_ops.decode_attention(
             q[g.start : g.start + n],
             kv_cache.data[0],
             kv_cache.data[1],
             g.block_ids.view(n, g.num_blocks),
-            g.lengths,
+            g.lengths - g.offset if g.offset else g.lengths,
             out[g.start : g.start + n],
             block_size,
             scale,
+            g.window,
         )

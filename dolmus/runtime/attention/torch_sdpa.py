@@ -4,11 +4,16 @@ Decodes are split into groups of similar length, each attended as one padded bat
 gather, one SDPA call per layer); each prefill chunk runs on its own, attending to its fresh
 k/v directly when it has no cached context. Gathers are `index_select` over whole blocks,
 several times faster on CPU than advanced indexing by slot.
+
+Sliding-window layers see the same step through `SDPAMetadata.for_window`: masks that also
+hide keys before each query's window, and gathers that skip the blocks no query of a group or
+chunk reads (those may have been freed and reused by other requests: what is still gathered
+of them is masked out).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +30,9 @@ class PrefillSeq:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     block_ids: torch.Tensor | None  # blocks holding context + chunk; None if context_len == 0
-    mask: torch.Tensor | None  # [query_len, context_len + query_len] causal, when block_ids is set
+    # [query_len, keys] bool: the keys from block_ids' first block on (causal, and windowed for a
+    # sliding-window layer); None: plain causal over the chunk's own keys
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -42,6 +49,12 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [count * num_blocks], row-major
     mask: torch.Tensor  # [count, 1, 1, num_blocks * block_size], 0 or -inf (model dtype)
     lengths: torch.Tensor  # [count] int64: cached positions each sequence attends to
+    min_length: int = 0
+    max_length: int = 0
+    # a sliding-window layer's view: the window, and the positions before block_ids' first
+    # block (the mask hides those before each row's window too)
+    window: int | None = None
+    offset: int = 0
 
 
 @dataclass
@@ -61,6 +74,22 @@ class SDPAMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
     prefill_table: PrefillTable | None = None  # set by backends with a one-call prefill kernel
+    # window -> (decode groups, prefill chunks) as a layer with that window sees them
+    windows: dict[int, tuple[list[DecodeGroup], list[PrefillSeq]]] = field(default_factory=dict)
+
+    def for_window(self, window: int) -> tuple[list[DecodeGroup], list[PrefillSeq]]:
+        """The step as sliding-window layers see it, built by the first such layer of the step.
+        Groups and chunks the window does not cut are returned as they are (the same objects,
+        the same list when no chunk is cut), so kernels without a window still take them."""
+        seen = self.windows.get(window)
+        if seen is None:
+            device = self.slot_mapping.device
+            groups = [_windowed_group(g, window, self.block_size) for g in self.decode_groups]
+            prefills = [_windowed_prefill(p, window, self.block_size, device) for p in self.prefills]
+            if all(a is b for a, b in zip(prefills, self.prefills)):
+                prefills = self.prefills
+            seen = self.windows[window] = (groups, prefills)
+        return seen
 
 
 @register_backend
@@ -109,6 +138,8 @@ class TorchSDPABackend(AttentionBackend):
             block_ids=ids.reshape(-1).to(device),
             mask=mask.view(count, 1, 1, -1).to(device),
             lengths=lengths.view(-1).to(device),
+            min_length=min(contexts) + 1,
+            max_length=max(contexts) + 1,
         )
 
     def forward(
@@ -119,14 +150,16 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: PagedKV,
         meta: SDPAMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
         num_tokens, num_heads, _ = q.shape
         value_dim = v.shape[2]  # narrower than q/k's under MLA (runtime/models/mla.py)
         out = torch.empty(num_tokens, num_heads, value_dim, dtype=q.dtype, device=q.device)
-        for g in meta.decode_groups:
+        groups, prefills = (meta.decode_groups, meta.prefills) if window is None else meta.for_window(window)
+        for g in groups:
             self._decode(q, kv_cache, g, out, meta.block_size, scale)
-        self._prefills(q, k, v, kv_cache, meta, out, scale)
+        self._prefills(q, k, v, kv_cache, meta, prefills, out, scale)
         return out.view(num_tokens, num_heads * value_dim)
 
     def _prefills(
@@ -136,20 +169,20 @@ class TorchSDPABackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: PagedKV,
         meta: SDPAMetadata,
+        prefills: list[PrefillSeq],
         out: torch.Tensor,
         scale: float,
     ) -> None:
         """Attend every prefill chunk (writes their rows of `out`): one SDPA call each."""
-        for seq in meta.prefills:
+        for seq in prefills:
             s, n = seq.query_start, seq.query_len
             if seq.block_ids is None:
                 keys, values = k[s : s + n], v[s : s + n]
-                mask, causal = None, True
             else:
-                total = seq.context_len + n
+                total = seq.mask.shape[1]  # type: ignore[union-attr]
                 keys = kv_cache.blocks(0, seq.block_ids)[:total]
                 values = kv_cache.blocks(1, seq.block_ids)[:total]
-                mask, causal = seq.mask, False
+            mask, causal = seq.mask, seq.mask is None
             res = F.scaled_dot_product_attention(
                 q[s : s + n].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
@@ -206,3 +239,41 @@ def _length_groups(positions: list[int], min_size: int = 8, spread: float = 1.5)
             groups.append((start, i))
             start = i
     return groups
+
+
+def _windowed_group(g: DecodeGroup, window: int, block_size: int) -> DecodeGroup:
+    """The group for a sliding-window layer: position j is seen by the row of length L (query
+    at L - 1) when j >= L - window; blocks before the shortest row's window are not gathered."""
+    if g.max_length <= window:
+        return g
+    first = max(g.min_length - window, 0) // block_size
+    span = torch.arange(first * block_size, g.num_blocks * block_size, device=g.mask.device)
+    mask = g.mask[..., first * block_size :].clone()
+    mask.masked_fill_(span.view(1, 1, 1, -1) < (g.lengths - window).view(-1, 1, 1, 1), float("-inf"))
+    ids = g.block_ids.view(g.count, g.num_blocks)[:, first:].reshape(-1)
+    return DecodeGroup(
+        g.start,
+        g.count,
+        g.num_blocks - first,
+        ids,
+        mask,
+        g.lengths,
+        g.min_length,
+        g.max_length,
+        window,
+        first * block_size,
+    )
+
+
+def _windowed_prefill(seq: PrefillSeq, window: int, block_size: int, device: torch.device) -> PrefillSeq:
+    """The chunk for a sliding-window layer: the query at position p sees keys in
+    (p - window, p], gathered from the block holding the chunk's first query's first key on."""
+    ctx, n = seq.context_len, seq.query_len
+    if ctx + n <= window:
+        return seq
+    first = max(ctx - window + 1, 0) // block_size
+    q_pos = torch.arange(ctx, ctx + n, device=device).unsqueeze(1)
+    k_pos = torch.arange(first * block_size, ctx + n, device=device).unsqueeze(0)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    blocks = None if seq.block_ids is None else seq.block_ids[first:]
+    return PrefillSeq(seq.query_start, n, ctx, blocks, mask)

@@ -76,6 +76,8 @@ def _parse_deepseek(raw: dict[str, Any], source: str, v3: bool) -> dict[str, Any
     if rope % 2:
         raise ValueError(f"model: {source} qk_rope_head_dim ({rope}) must be even")
     fields.update(
+        sliding_window=None,  # DeepSeek attends to the whole context
+        sliding_layers=None,
         head_dim=nope + rope,
         num_kv_heads=fields["num_heads"],  # MLA caches no per-head K/V (see mla.py)
         q_lora_rank=int(raw.get("q_lora_rank") or 0),

@@ -14,6 +14,7 @@ all-reduced, the logits all-gathered), and norms are whole on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,9 +80,12 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         parallel: ParallelConfig,
         ops: LayerOps,
+        window: int | None = None,
     ) -> None:
+        """`window`: this layer's sliding attention window (None: the whole context)."""
         super().__init__()
         self.ops = ops
+        self.window = window
         self.num_heads = parallel.split(cfg.num_heads, "num_attention_heads")[1]
         first_kv, self.num_kv_heads = parallel.kv_heads(cfg.num_kv_heads)
         self.head_dim = d = cfg.head_dim
@@ -102,7 +106,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.backend = backend
 
     def forward(
@@ -119,7 +123,7 @@ class Attention(nn.Module):
         qk = self.ops.rotary(qk, cos_sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window))
 
 
 class MLP(nn.Module):
@@ -174,16 +178,17 @@ class DecoderLayer(nn.Module):
         parallel: ParallelConfig,
         ops: LayerOps,
         mlp: nn.Module | None = None,
+        window: int | None = None,
         attention: nn.Module | None = None,
     ) -> None:
         """`mlp`: the feed-forward block when it is not the dense one (a Mixture-of-Experts);
-        `attention`: the attention block when it is not this file's (DeepSeek's MLA), called as
-        attention(x, cos_sin, kv_cache, meta)."""
+        `window`: the layer's sliding attention window; `attention`: the attention block when it
+        is not this file's (DeepSeek's MLA), called as attention(x, cos_sin, kv_cache, meta)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = (
-            attention if attention is not None else Attention(cfg, dtype, method, backend, parallel, ops)
-        )
+        if attention is None:
+            attention = Attention(cfg, dtype, method, backend, parallel, ops, window)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = mlp if mlp is not None else MLP(cfg, dtype, method, parallel, ops)
 
@@ -224,7 +229,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, method, backend, parallel, ops, make_mlp(i) if make_mlp else None)
+            DecoderLayer(
+                cfg,
+                dtype,
+                method,
+                backend,
+                parallel,
+                ops,
+                make_mlp(i) if make_mlp else None,
+                cfg.window_of(i),
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -357,11 +371,17 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading()
 
 
-# Mistral's config differs from Llama's only in a sliding window, which the shared fields read.
+# Mistral's config differs from Llama's only in a sliding window (every layer's), which the
+# shared fields read.
 # llama.cpp stores both with the q/k rotary halves interleaved.
+def parse_llama(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Llama has no sliding window (transformers ignores one in its config)."""
+    return {**parse_common_fields(raw, source), "sliding_window": None, "sliding_layers": None}
+
+
 register_architecture(
     "LlamaForCausalLM",
-    parse=parse_common_fields,
+    parse=parse_llama,
     model_cls=LlamaForCausalLM,
     gguf_type="llama",
     gguf_interleaved_qk=True,

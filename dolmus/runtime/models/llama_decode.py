@@ -91,6 +91,7 @@ def build_fused_decoder(
         desc.qkv, desc.o = decode_step.linear_desc(qkv), decode_step.linear_desc(o)
         desc.gate_up, desc.down = decode_step.linear_desc(gate_up), decode_step.linear_desc(down)
         desc.k_cache, desc.v_cache = cache.data[0].data_ptr(), cache.data[1].data_ptr()
+        desc.window = attn.window or 0  # the kernel reads only the window's positions
         keep += [qkv, o, gate_up, down, cache]
     keep.append(layer_descs)
 

@@ -34,6 +34,7 @@ from torch import nn
 from dolmus.config import ModelConfig, parse_common_fields
 from dolmus.distributed.collectives import tensor_parallel_all_reduce
 from dolmus.distributed.parallel_config import ParallelConfig
+from dolmus.model_config import read_sliding_window
 from dolmus.runtime.layers.fused_moe import FusedExperts, softmax_top_k
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.ops import LayerOps
@@ -82,8 +83,13 @@ def _parse_qwen_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
     fields["dense_layers"] = [
         i for i in range(fields["num_layers"]) if i in only_dense or (i + 1) % step != 0
     ]
-    if not raw.get("use_sliding_window", False):
-        fields["sliding_window"] = None
+    if not raw.get("use_sliding_window", False):  # transformers' default: off
+        fields["sliding_window"], fields["sliding_layers"] = None, None
+    elif "layer_types" not in raw:  # Qwen-MoE's own rule: every other layer below max_window_layers
+        n, below = fields["num_layers"], int(raw.get("max_window_layers", 28))
+        default = [i for i in range(n) if (i + 1) % 2 and i < below]
+        window, layers = read_sliding_window(raw, n, source, default)
+        fields["sliding_window"], fields["sliding_layers"] = window, layers
     return fields
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,9 @@ class Architecture:
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves the q/k rotary halves
     # ... for files whose `{type}.expert_count` is set (llama.cpp writes Mixtral as "llama")
     gguf_experts: bool = False
+    # llama.cpp per-layer tensor names that mean another Hugging Face name in this family
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()  # (llama.cpp's, Hugging Face's)
+    gguf_norm_offset: float = 0.0  # llama.cpp stores every norm weight plus this (Gemma: 1)
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
@@ -46,6 +49,8 @@ def register_architecture(
     gguf_type: str | None = None,
     gguf_interleaved_qk: bool = False,
     gguf_experts: bool = False,
+    gguf_layer_names: Mapping[str, str] | None = None,
+    gguf_norm_offset: float = 0.0,
 ) -> Architecture:
     """Declare an architecture; called by its family file at import time."""
     if name in _ARCHITECTURES:
@@ -54,7 +59,16 @@ def register_architecture(
         (a.gguf_type, a.gguf_experts) == (gguf_type, gguf_experts) for a in _ARCHITECTURES.values()
     ):
         raise ValueError(f"GGUF architecture {gguf_type!r} is registered twice")
-    arch = Architecture(name, parse, model_cls, gguf_type, gguf_interleaved_qk, gguf_experts)
+    arch = Architecture(
+        name,
+        parse,
+        model_cls,
+        gguf_type,
+        gguf_interleaved_qk,
+        gguf_experts,
+        tuple((gguf_layer_names or {}).items()),
+        gguf_norm_offset,
+    )
     _ARCHITECTURES[name] = arch
     return arch
 

@@ -84,8 +84,10 @@ _AVX512 = _Spec(
         "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
         # (x, residual (updated in place), weight, out, rows, cols, eps)
         "dolmus_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
-        # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale)
-        "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
+        # (q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale, window)
+        "dolmus_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        + [_i64] * 5
+        + [_f32, _i64],
         "dolmus_silu_and_mul": [_ptr, _ptr, _i64, _i64],
         "dolmus_rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
         # (w, packed, N, K)
@@ -120,7 +122,9 @@ _AVX2 = _Spec(
         "dolmus_q4_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
         "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
-        "dolmus_decode_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr] + [_i64] * 5 + [_f32],
+        "dolmus_decode_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        + [_i64] * 5
+        + [_f32, _i64],
         "dolmus_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
         "dolmus_rotary_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
     },

@@ -34,6 +34,7 @@ typedef struct {
     const uint16_t *q_norm, *k_norm;        /* [head_dim] (Qwen3), or NULL */
     dolmus_linear qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache; /* [slots][kv_heads][head_dim] */
+    int64_t window;              /* sliding attention window, or 0: the whole context */
 } dolmus_layer;
 
 typedef struct {
@@ -123,7 +124,7 @@ void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *to
             memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, bytes);
         }
         dolmus_decode_attention(m->qkv, width, L->k_cache, L->v_cache, block_ids, nb, lengths, m->attn, rows,
-                                hq, hkv, d, m->block_size, m->scale);
+                                hq, hkv, d, m->block_size, m->scale, L->window);
         linear(&L->o, m->attn, m->delta, rows);
         add_rows(m->residual, m->delta, rows, hidden, hidden);
         dolmus_rms_norm(m->residual, L->post_norm, m->normed, rows, hidden, m->eps);

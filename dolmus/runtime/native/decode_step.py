@@ -41,6 +41,7 @@ class LayerDesc(ctypes.Structure):
         ("down", LinearDesc),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("window", _i64),  # 0: the whole context
     ]
 
 

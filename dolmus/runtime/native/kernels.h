@@ -12,7 +12,7 @@ void dolmus_rotary(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uin
 void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
-                             int64_t d, int64_t bs, float scale);
+                             int64_t d, int64_t bs, float scale, int64_t window);
 void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols);
 void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y, int64_t M,
                       int64_t N, int64_t K);

@@ -146,25 +146,30 @@ static inline __attribute__((always_inline)) void attend(
  *   k_cache, v_cache: [slots][hkv][d], slot = block * bs + offset
  *   block_ids: [n][nb] each sequence's blocks; lengths: [n] positions to attend
  *   out:      [n][hq][d]
+ *   window:   > 0: only the last `window` of those positions (sliding-window attention; the
+ *             blocks before them are never read, and may belong to other sequences by now)
  * Query head j reads KV head j / (hq / hkv). Work items are (sequence, KV head) pairs, so
  * the query heads sharing a KV head read its keys while they are in cache.
  * d % 16 == 0, d <= 256. */
 void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq,
-                             int64_t hkv, int64_t d, int64_t bs, float scale) {
+                             int64_t hkv, int64_t d, int64_t bs, float scale, int64_t window) {
     int64_t group = hq / hkv;
 #pragma omp parallel for schedule(dynamic, 1) if (n * hkv > 1)
     for (int64_t item = 0; item < n * hkv; item++) {
-        int64_t s = item / hkv, h = item % hkv, len = lengths[s];
+        int64_t s = item / hkv, h = item % hkv, end = lengths[s];
+        int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
         /* per position: its row's offset in the caches, then each query head's score */
         int64_t stack[STACK_POSITIONS * 9];
         size_t words = (size_t)(len + (group * len + 1) / 2);
         int64_t *rows = len <= STACK_POSITIONS && group <= 16 ? stack : malloc(sizeof(int64_t) * words);
         if (!rows) continue;
         const int64_t *table = block_ids + s * nb;
-        for (int64_t b = 0, p = 0; p < len; b++)
-            for (int64_t i = 0; i < bs && p < len; i++, p++) rows[p] = ((table[b] * bs + i) * hkv + h) * d;
+        for (int64_t p = 0, b = first / bs, i = first % bs; p < len; p++) {
+            rows[p] = ((table[b] * bs + i) * hkv + h) * d;
+            if (++i == bs) i = 0, b++;
+        }
         float *scores = (float *)(rows + len);
         const uint16_t *qs = q + s * q_stride + h * group * d;
         uint16_t *o = out + (s * hq + h * group) * d;

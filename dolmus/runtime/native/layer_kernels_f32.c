@@ -81,11 +81,12 @@ void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float
 void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                                  const float *v_cache, const int64_t *block_ids, int64_t nb,
                                  const int64_t *lengths, float *out, int64_t n, int64_t hq, int64_t hkv,
-                                 int64_t d, int64_t bs, float scale) {
+                                 int64_t d, int64_t bs, float scale, int64_t window) {
     int64_t group = hq / hkv;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < n * hkv; item++) {
-        int64_t s = item / hkv, h = item % hkv, len = lengths[s];
+        int64_t s = item / hkv, h = item % hkv, end = lengths[s];
+        int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
         const int64_t *table = block_ids + s * nb;
         float *qf = malloc(sizeof(float) * (size_t)(2 * group * d + group * len));
         if (!qf) continue;
@@ -94,7 +95,7 @@ void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *
         for (int64_t i = 0; i < group * d; i += 8)
             _mm256_storeu_ps(qf + i, _mm256_mul_ps(_mm256_loadu_ps(qs + i), _mm256_set1_ps(scale)));
         for (int64_t p = 0; p < len; p++) {
-            const float *kr = k_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
+            const float *kr = k_cache + ((table[(first + p) / bs] * bs + (first + p) % bs) * hkv + h) * d;
             for (int64_t g = 0; g < group; g++) {
                 __m256 dot = _mm256_setzero_ps();
                 for (int64_t i = 0; i < d; i += 8)
@@ -114,7 +115,7 @@ void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *
         }
         memset(acc, 0, sizeof(float) * (size_t)(group * d));
         for (int64_t p = 0; p < len; p++) {
-            const float *vr = v_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
+            const float *vr = v_cache + ((table[(first + p) / bs] * bs + (first + p) % bs) * hkv + h) * d;
             for (int64_t i = 0; i < d; i += 8) {
                 __m256 v = _mm256_loadu_ps(vr + i);
                 for (int64_t g = 0; g < group; g++) {

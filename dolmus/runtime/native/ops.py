@@ -46,12 +46,14 @@ def decode_attention(
     out: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> None:
     """One new token per sequence attends to its cache; writes out [n, Hq, D].
 
     q [n, Hq, D] bf16 (layer_kernels.c) or float32 (layer_kernels_f32.c), rows may be
     strided, heads contiguous; caches [slots, Hkv, D] contiguous, q's dtype; block_ids
-    [n, num_blocks] and lengths [n] int64; D % 16 == 0."""
+    [n, num_blocks] and lengths [n] int64; D % 16 == 0. `window`: attend to the last `window`
+    of each sequence's positions only (the blocks before them are not read)."""
     n, hq, d = q.shape
     kernel = _kernel("dolmus_decode_attention", q.dtype)
     block_ids, lengths = block_ids.contiguous(), lengths.contiguous()  # a table slice may be strided
@@ -70,6 +72,7 @@ def decode_attention(
         d,
         block_size,
         scale,
+        window or 0,
     )
 
 
