@@ -243,3 +243,64 @@ def test_a_deepseek_draft_model_keeps_its_latent_pools(tmp_path: Path) -> None:
     assert run_tokens(llm, prompts, greedy(24)) == plain
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+# DeepSeek-V2-Lite's config.json as the hub has it (4.x spelling: rope_scaling with "type")
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "first_k_dense_replace": 1,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.0,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+}
+
+
+def test_a_real_size_config_reads_as_transformers_reads_it() -> None:
+    """V2-Lite: YaRN frequencies and attention factor, softmax scale and the cache layout."""
+    from transformers import DeepseekV2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    from dolmus.config import ModelConfig
+    from dolmus.runtime.models.mla import DeepseekRotary, softmax_scale
+
+    cfg = ModelConfig.from_dict(V2_LITE)
+    hf = DeepseekV2Config(**{k: v for k, v in V2_LITE.items() if k != "architectures"})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq)
+    rotary = DeepseekRotary(cfg, 64, torch.float32)
+    torch.testing.assert_close(rotary.cos[:, :32], freqs.cos() * factor, atol=0, rtol=0)
+    assert softmax_scale(cfg) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5), rel=1e-12)
+    # 512 + 64 numbers a token and layer, against 16 heads x (128 + 64 + 128) for MHA: 8.9x
+    assert cfg.kv_layout() == (1, 576, 512)
+    assert (cfg.num_experts, cfg.shared_expert_intermediate_size, cfg.dense_layers) == (64, 2816, [0])
