@@ -93,9 +93,12 @@ def check_tiers(tiers: tuple[TierSpec, ...]) -> None:
             raise ValueError(f"tiers: {name} add up to {total:g}; they must leave some to share (< 1)")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "medusa")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "medusa", "mtp")
 # the methods whose drafts come from a model or heads in `model`
 SPECULATIVE_MODEL_METHODS = ("draft_model", "eagle3", "medusa")
+# the methods whose drafts the runner makes: those, and mtp (the target checkpoint's own
+# multi-token-prediction layer, DeepSeek-V3's)
+SPECULATIVE_RUNNER_METHODS = (*SPECULATIVE_MODEL_METHODS, "mtp")
 
 
 _Config = TypeVar("_Config")
@@ -130,7 +133,8 @@ class SpeculativeConfig:
     # draft_model: the draft's folder or GGUF file (same tokenizer as the target), and how to
     # quantize its weights on load (None: as stored; e.g. "int4" makes a copy of the target a
     # cheap draft); eagle3: the head's folder (the public EAGLE-3 checkpoint layout); medusa:
-    # the heads' folder (vLLM's or FasterDecoding's layout; num_speculative_tokens <= heads)
+    # the heads' folder (vLLM's or FasterDecoding's layout; num_speculative_tokens <= heads);
+    # mtp takes none (it drafts with the target DeepSeek-V3 checkpoint's own MTP layer)
     model: str | None = None
     quantization: str | None = None
 

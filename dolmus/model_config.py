@@ -70,6 +70,24 @@ class ModelConfig:
     attention_scale: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: not MLA): the ranks of the
+    # compressed query (0: a plain q_proj) and key/value latent, each head's non-rotary and
+    # rotary query/key parts and its value size, and whether rotary pairs are interleaved
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek routing (runtime/models/deepseek_moe.py): shared experts' inner size, the
+    # scoring ("softmax": V2, "sigmoid": V3 with a score-correction bias), the top-k method
+    # (V2: "greedy" or "group_limited_greedy"), expert groups and groups kept, and the factor
+    # the chosen experts' weights are multiplied by
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of one layer; None: it attends to the whole context."""
@@ -85,6 +103,15 @@ class ModelConfig:
         when any layer attends to the whole context (then no block can be freed early)."""
         windows = {self.window_of(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else None
+
+    def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
+        """(heads, numbers per head, value numbers) one layer caches per token: `num_kv_heads`
+        (this rank's; default all) of head_dim, values alike (None); or, under multi-head
+        latent attention, one vector (the latent, then the rotated shared key) whose latent
+        part is the values (runtime/attention/kv_store.py's LatentPagedKV)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+        return (self.num_kv_heads if num_kv_heads is None else num_kv_heads), self.head_dim, None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ModelConfig:

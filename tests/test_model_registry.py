@@ -12,6 +12,8 @@ from dolmus.runtime.models import registry
 from dolmus.runtime.models.llama import LlamaForCausalLM
 
 SUPPORTED = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
     "LlamaForCausalLM",
@@ -22,7 +24,13 @@ SUPPORTED = [
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
 ]
-MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+MOE = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+]
 OWN_LAYERS = [
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",

@@ -16,12 +16,13 @@ import torch
 class KVPool(Protocol):
     """What this module reads of a layer's paged KV store (runtime/attention/kv_store.py)."""
 
-    data: torch.Tensor  # [2, slots, heads, dim]
+    data: torch.Tensor  # [2, slots, heads, dim]: keys, values ([1, ...] for an MLA latent pool)
     block_size: int
 
 
 def _parts(pool: KVPool) -> list[torch.Tensor]:
-    """The pool's tensors that hold per-slot state, each viewed [2, num_blocks, per_block]."""
+    """The pool's tensors that hold per-slot state, each viewed [2, num_blocks, per_block] (or
+    [1, ...]: a latent pool keeps no separate values)."""
     parts = [pool.data]
     scale = getattr(pool, "scale", None)
     if scale is not None:
@@ -29,7 +30,7 @@ def _parts(pool: KVPool) -> list[torch.Tensor]:
     out = []
     for t in parts:
         num_blocks = t.shape[1] // pool.block_size
-        out.append(t.view(2, num_blocks, -1))
+        out.append(t.view(t.shape[0], num_blocks, -1))
     return out
 
 
@@ -37,7 +38,7 @@ class BlockIO:
     def __init__(self, pools: Sequence[KVPool]) -> None:
         self.parts = [p for pool in pools for p in _parts(pool)]
         # bytes of one block in each part (keys and values)
-        self.widths = [2 * p.shape[2] * p.element_size() for p in self.parts]
+        self.widths = [p.shape[0] * p.shape[2] * p.element_size() for p in self.parts]
         self.block_bytes = sum(self.widths)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -56,6 +57,6 @@ class BlockIO:
         start = 0
         for part, width in zip(self.parts, self.widths):
             piece = payload[:, start : start + width].contiguous().view(part.dtype)
-            piece = piece.view(len(index), 2, -1).transpose(0, 1)
+            piece = piece.view(len(index), part.shape[0], -1).transpose(0, 1)
             part.index_copy_(1, index, piece)
             start += width

@@ -50,16 +50,17 @@ class DraftModel:
         self.computed: dict[str, int] = {}  # request id -> tokens whose draft KV is good
 
     def kv_bytes_per_token(self, kv_cache_dtype: str, dtype: torch.dtype) -> int:
-        c = self.config
-        return c.num_layers * kv_bytes_per_token(kv_cache_dtype, c.num_kv_heads, c.head_dim, dtype)
+        heads, width, value_dim = self.config.kv_layout()
+        latent = value_dim is not None
+        return self.config.num_layers * kv_bytes_per_token(kv_cache_dtype, heads, width, dtype, latent)
 
     def allocate(
         self, kv_cache_dtype: str, slots: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        c = self.config
+        heads, width, value_dim = self.config.kv_layout()
         self.kv_caches = [
-            make_kv_store(kv_cache_dtype, slots, c.num_kv_heads, c.head_dim, block_size, dtype, device)
-            for _ in range(c.num_layers)
+            make_kv_store(kv_cache_dtype, slots, heads, width, block_size, dtype, device, value_dim)
+            for _ in range(self.config.num_layers)
         ]
 
     def forget(self, request_id: str) -> None:

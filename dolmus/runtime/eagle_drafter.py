@@ -9,6 +9,10 @@ runs the head on its own guesses, one position per further draft, feeding each o
 the next position's feature; the next step's catch-up overwrites that KV with the target's.
 A block shared through the prefix cache had the head's KV written by the request that
 computed it, with the same tokens and features, so cached prompts need no head work.
+
+DeepSeek-V3's MTP layer (models/deepseek_mtp.py) drafts the same way: one layer that reads the
+next token's embedding and a feature of the position (the target's final hidden state, not
+captured layers: its `reads_final_hidden`), with a latent KV pool (its `kv_layout`).
 """
 
 from __future__ import annotations
@@ -19,26 +23,27 @@ import torch
 
 from dolmus.runtime.attention.kv_store import PagedKV, kv_bytes_per_token, make_kv_store
 from dolmus.runtime.draft_model import Choose, Prepare
+from dolmus.runtime.models.deepseek_mtp import MTPHead
 from dolmus.runtime.models.eagle3 import Eagle3Head
 
 
 class EagleDrafter:
-    def __init__(self, head: Eagle3Head) -> None:
+    def __init__(self, head: Eagle3Head | MTPHead) -> None:
         self.head = head
         self.kv_cache: PagedKV | None = None
         # request id -> (normed output, output before the norm, position) at its last kept position
         self.last: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def kv_bytes_per_token(self, kv_cache_dtype: str, dtype: torch.dtype) -> int:
-        c = self.head.cfg
-        return kv_bytes_per_token(kv_cache_dtype, c.num_kv_heads, c.head_dim, dtype)
+        heads, width, value_dim = self.head.kv_layout()
+        return kv_bytes_per_token(kv_cache_dtype, heads, width, dtype, latent=value_dim is not None)
 
     def allocate(
         self, kv_cache_dtype: str, slots: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        c = self.head.cfg
+        heads, width, value_dim = self.head.kv_layout()
         self.kv_cache = make_kv_store(
-            kv_cache_dtype, slots, c.num_kv_heads, c.head_dim, block_size, dtype, device
+            kv_cache_dtype, slots, heads, width, block_size, dtype, device, value_dim
         )
 
     def forget(self, request_id: str) -> None:

@@ -40,6 +40,7 @@ from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.medusa_drafter import MedusaDrafter
+from dolmus.runtime.models.deepseek_mtp import load_mtp
 from dolmus.runtime.models.eagle3 import load_eagle3
 from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.models.medusa import load_medusa
@@ -178,14 +179,19 @@ class ModelRunner:
         spec = config.speculative_config
         method = spec.method if spec is not None else None
         self.drafter = self._load_draft(spec, max_model_len) if method == "draft_model" else None
-        self.eagle = self._load_eagle(spec, max_model_len) if method == "eagle3" else None
+        self.eagle = None  # an EAGLE-3 head, or DeepSeek-V3's MTP layer (drafting alike)
+        if method == "eagle3":
+            self.eagle = self._load_eagle(spec, max_model_len)
+        elif method == "mtp":
+            self.eagle = self._load_mtp(model_path, max_model_len)
         self.medusa = self._load_medusa(spec) if method == "medusa" else None
         self.num_blocks = self._plan_kv_blocks(max_model_len)
         cfg = model_config
         slots = self.num_blocks * self.block_size
+        heads, width, value_dim = cfg.kv_layout(self.num_kv_heads)
         self.kv_caches = [
             make_kv_store(
-                config.kv_cache_dtype, slots, self.num_kv_heads, cfg.head_dim, self.block_size, dtype, device
+                config.kv_cache_dtype, slots, heads, width, self.block_size, dtype, device, value_dim
             )
             for _ in range(cfg.num_layers)
         ]
@@ -200,7 +206,9 @@ class ModelRunner:
         self.fused_decoder = None
         self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
         if self.eagle is not None and config.fused_decode:
-            logger.info("fused decode step: off (an EAGLE-3 head reads hidden states it does not keep)")
+            logger.info(
+                "fused decode step: off (an EAGLE-3 or MTP head reads hidden states it does not keep)"
+            )
         elif config.fused_decode and self.native_kernels and hasattr(self.model, "fused_decoder"):
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, rows)
@@ -273,6 +281,23 @@ class ModelRunner:
         logger.info("EAGLE-3 head: %s (reads layers %s)", spec.model, head.aux_layers)
         return EagleDrafter(head)
 
+    def _load_mtp(self, model_path: Path, max_model_len: int) -> EagleDrafter:
+        """The target checkpoint's MTP layer, sharing the target's embedding unless it has its own."""
+        head = load_mtp(
+            model_path,
+            self.model_config,
+            self.dtype,
+            self.device,
+            make_linear_method(False, native_kernels=self.config.native_kernels),
+            self.attention,
+            max_model_len,
+            NATIVE_OPS if self.native_kernels else TORCH_OPS,
+        )
+        if head.embed_tokens is None:
+            head.embed_tokens = self.model.model.embed_tokens
+        logger.info("MTP layer: model.layers.%d of %s", self.model_config.num_layers, model_path)
+        return EagleDrafter(head)
+
     def _load_medusa(self, spec: SpeculativeConfig) -> MedusaDrafter:
         """Medusa heads on the target's device and dtype, reading its final hidden states."""
         heads = load_medusa(
@@ -329,9 +354,27 @@ class ModelRunner:
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
-        per_token = mc.num_layers * kv_bytes_per_token(
-            self.config.kv_cache_dtype, self.num_kv_heads, mc.head_dim, self.dtype
+        heads, width, value_dim = mc.kv_layout(self.num_kv_heads)
+        layer_bytes = kv_bytes_per_token(
+            self.config.kv_cache_dtype, heads, width, self.dtype, latent=value_dim is not None
         )
+        per_token = mc.num_layers * layer_bytes
+        if value_dim is not None:
+            # what per-head keys ((nope + rope) each) and values would take instead
+            mha = mc.num_heads * (mc.qk_nope_head_dim + mc.qk_rope_head_dim + mc.v_head_dim)
+            mha_bytes = mha * self.dtype.itemsize
+            logger.info(
+                "MLA latent KV cache: %d bytes per token per layer (kv_lora_rank %d + rope %d), "
+                "%d over %d layers; per-head K/V (MHA) would take %d per layer, %d in all (%.1fx)",
+                layer_bytes,
+                mc.kv_lora_rank,
+                mc.qk_rope_head_dim,
+                per_token,
+                mc.num_layers,
+                mha_bytes,
+                mha_bytes * mc.num_layers,
+                mha_bytes / layer_bytes,
+            )
         for extra in (self.drafter, self.eagle):  # their pools have the same blocks
             if extra is not None:
                 per_token += extra.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)
@@ -583,13 +626,16 @@ class ModelRunner:
                 window = rows_of[rid][-(len(drafts.get(rid, ())) + 1) :]
                 last_rows.append((rid, self.sequences[rid], window[len(tokens) - 1]))
             self.medusa.keep(last_rows, hidden)
-        if self.eagle is not None and self.model.captured is not None:
+        features = None
+        if self.eagle is not None:  # MTP reads the final hidden states, EAGLE-3 captured layers
+            features = hidden if self.eagle.head.reads_final_hidden else self.model.captured
+        if self.eagle is not None and features is not None:
             # the head over what the target kept: every chunk position, a window's accepted part
             spans = []
             for rid, seq, n in scheduled:
                 kept = len(result.sampled.get(rid, ())) if rid in drafts else n
                 spans.append((rid, seq, first_position[rid], kept, rows_of[rid][:kept]))
-            self.eagle.follow(spans, self.model.captured, self._prepare)
+            self.eagle.follow(spans, features, self._prepare)
         return result
 
     def _choose_drafts(self, logits: torch.Tensor, requests: list[tuple[str, _Sequence]]) -> list[int]:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from dolmus.config import SPECULATIVE_MODEL_METHODS, SpeculativeConfig
+from dolmus.config import SPECULATIVE_RUNNER_METHODS, SpeculativeConfig
 
 # A draft slot the runner's draft model fills in (runtime/draft_model.py): the scheduler
 # decides how many drafts a request gets, the runner what they are.
@@ -152,7 +152,7 @@ class SuffixProposer:
 
 
 class DraftModelSlots:
-    """draft_model, eagle3 and medusa: the drafts come from a small model or heads the runner
+    """draft_model, eagle3, medusa and mtp: the drafts come from a small model or heads the runner
     holds next to the target (runtime/draft_model.py, eagle_drafter.py, medusa_drafter.py);
     here only their number is decided, so slots stand for them."""
 
@@ -170,6 +170,6 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
-    if config.method in SPECULATIVE_MODEL_METHODS:
+    if config.method in SPECULATIVE_RUNNER_METHODS:
         return DraftModelSlots()
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -5,6 +5,11 @@ the compute dtype; how they are stored is this module's business. Quantized stor
 (`int8`, or `fp8` = float8 e4m3) keeps one scale per (token, KV head), so a block never
 needs requantizing as it fills and outliers in one head do not blur the others; at
 head_dim 64 it holds ~1.9x the tokens of bf16 in the same bytes.
+
+Multi-head latent attention (DeepSeek's MLA, runtime/models/mla.py) caches one vector per token
+instead of per-head keys and values: the compressed latent followed by the shared rotated key
+(`LatentPagedKV`). Its keys are that whole vector (one "head"), its values the latent part of
+the same storage, so the pool holds each number once.
 """
 
 from __future__ import annotations
@@ -108,6 +113,45 @@ class QuantizedPagedKV(PagedKV):
         return codes.view(self.codes_dtype).view(-1, heads, dim).to(self.dtype) * scale.view(-1, heads, 1)
 
 
+class LatentPagedKV(PagedKV):
+    """One vector of `width` numbers per token (MLA: latent, then rotated key); the keys are
+    the whole vector, the values its first `value_dim` numbers (a view: nothing stored twice)."""
+
+    def __init__(
+        self,
+        slots: int,
+        width: int,
+        value_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.data = zeros((1, slots, 1, width), dtype, device)
+        self.block_size = block_size
+        self.dtype = dtype
+        self.value_dim = value_dim
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # v is the first value_dim numbers of k: written once, with k
+        self.data[0].index_copy_(0, slots, k)
+
+    def blocks(self, which: int, block_ids: torch.Tensor) -> torch.Tensor:
+        whole = super().blocks(0, block_ids)
+        return whole if which == 0 else whole[..., : self.value_dim]
+
+
+def _check_latent(kind: str) -> None:
+    if kind != "auto":
+        raise ValueError(
+            f"kv_cache_dtype {kind!r} is not supported for multi-head latent attention (DeepSeek) "
+            "models; use 'auto' (their latent cache is already ~9x smaller than per-head K/V)"
+        )
+
+
 def make_kv_store(
     kind: str,
     slots: int,
@@ -116,13 +160,24 @@ def make_kv_store(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    value_dim: int | None = None,
 ) -> PagedKV:
+    """`value_dim` set: a latent cache (MLA), one vector of `head_dim` numbers per token whose
+    first `value_dim` are the values (`num_kv_heads` must then be 1)."""
+    if value_dim is not None:
+        _check_latent(kind)
+        return LatentPagedKV(slots, head_dim, value_dim, block_size, dtype, device)
     if kind == "auto":
         return PagedKV(slots, num_kv_heads, head_dim, block_size, dtype, device)
     return QuantizedPagedKV(slots, num_kv_heads, head_dim, block_size, dtype, device, kind)
 
 
-def kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one token takes in one layer's cache."""
+def kv_bytes_per_token(
+    kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype, latent: bool = False
+) -> int:
+    """Bytes one token takes in one layer's cache (`latent`: an MLA cache, see make_kv_store)."""
+    if latent:
+        _check_latent(kind)
+        return LatentPagedKV.bytes_per_token(num_kv_heads, head_dim, dtype)
     store = PagedKV if kind == "auto" else QuantizedPagedKV
     return store.bytes_per_token(num_kv_heads, head_dim, dtype)

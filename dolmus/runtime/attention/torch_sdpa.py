@@ -153,13 +153,14 @@ class TorchSDPABackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
-        num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        num_tokens, num_heads, _ = q.shape
+        value_dim = v.shape[2]  # narrower than q/k's under MLA (runtime/models/mla.py)
+        out = torch.empty(num_tokens, num_heads, value_dim, dtype=q.dtype, device=q.device)
         groups, prefills = (meta.decode_groups, meta.prefills) if window is None else meta.for_window(window)
         for g in groups:
             self._decode(q, kv_cache, g, out, meta.block_size, scale)
         self._prefills(q, k, v, kv_cache, meta, prefills, out, scale)
-        return out.view(num_tokens, num_heads * head_dim)
+        return out.view(num_tokens, num_heads * value_dim)
 
     def _prefills(
         self,
@@ -207,7 +208,8 @@ class TorchSDPABackend(AttentionBackend):
         num_kv_heads = kv_cache.data.shape[2]
         n, length = g.count, g.num_blocks * block_size
         keys = kv_cache.blocks(0, g.block_ids).view(n, length, num_kv_heads, head_dim)
-        values = kv_cache.blocks(1, g.block_ids).view(n, length, num_kv_heads, head_dim)
+        values = kv_cache.blocks(1, g.block_ids)
+        values = values.view(n, length, num_kv_heads, values.shape[-1])
         # Grouped-query decode: the query heads sharing a KV head become query rows of
         # that head ([n, Hkv, G, D]), so K/V are never expanded. (SDPA's enable_gqa
         # with a single query row is ~10x slower on CPU.)
@@ -218,7 +220,7 @@ class TorchSDPABackend(AttentionBackend):
             attn_mask=g.mask,
             scale=scale,
         )
-        out[g.start : g.start + n] = res.reshape(n, num_heads, head_dim)
+        out[g.start : g.start + n] = res.reshape(n, num_heads, -1)
 
 
 def _length_groups(positions: list[int], min_size: int = 8, spread: float = 1.5) -> list[tuple[int, int]]:

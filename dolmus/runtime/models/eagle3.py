@@ -71,6 +71,13 @@ class Eagle3Head(nn.Module):
         self.lm_head = Linear(h, draft_vocab, False, dtype, method.head_method())
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
 
+    # the runner hands it the hidden states of the target's layers it captured (aux_layers)
+    reads_final_hidden = False
+
+    def kv_layout(self) -> tuple[int, int, int | None]:
+        """Its one layer's KV heads, head size and (None) values alike."""
+        return self.cfg.kv_layout()
+
     def combine(self, captured: torch.Tensor) -> torch.Tensor:
         """The feature of positions the target computed: fc of its captured layers."""
         return self.fc(captured)

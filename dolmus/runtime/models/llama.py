@@ -179,12 +179,16 @@ class DecoderLayer(nn.Module):
         ops: LayerOps,
         mlp: nn.Module | None = None,
         window: int | None = None,
+        attention: nn.Module | None = None,
     ) -> None:
         """`mlp`: the feed-forward block when it is not the dense one (a Mixture-of-Experts);
-        `window`: the layer's sliding attention window."""
+        `window`: the layer's sliding attention window; `attention`: the attention block when it
+        is not this file's (DeepSeek's MLA), called as attention(x, cos_sin, kv_cache, meta)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, dtype, method, backend, parallel, ops, window)
+        if attention is None:
+            attention = Attention(cfg, dtype, method, backend, parallel, ops, window)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = mlp if mlp is not None else MLP(cfg, dtype, method, parallel, ops)
 
@@ -254,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         make_mlp = self.mlp_factory(cfg, dtype, method, parallel, ops)
-        self.model = LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops, make_mlp)
+        self.model = self.build_model(cfg, dtype, method, backend, max_len, parallel, ops, make_mlp)
         # A tied head is still its own Linear (sharing the embedding's storage, the same rows
         # of the vocabulary under tensor parallelism) so its method may pack or quantize it.
         self.lm_head = Linear(
@@ -294,6 +298,21 @@ class LlamaForCausalLM(nn.Module):
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)
         return self.model.norm(x) if residual is None else self.model.norm.forward_add(x, residual)
+
+    def build_model(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        backend: AttentionBackend,
+        max_len: int,
+        parallel: ParallelConfig,
+        ops: LayerOps,
+        make_mlp: Callable[[int], nn.Module | None] | None,
+    ) -> nn.Module:
+        """The decoder stack (embedding, `rotary` with `lookup(positions)`, `layers`, `norm`); a
+        family with other attention overrides this."""
+        return LlamaModel(cfg, dtype, method, backend, max_len, parallel, ops, make_mlp)
 
     def mlp_factory(
         self,

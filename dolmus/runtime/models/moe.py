@@ -104,6 +104,16 @@ def parse_qwen3_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return {**_parse_qwen_moe(raw, source), "qk_norm": True}
 
 
+def route_expert_weight(name: str) -> tuple[str, str] | None:
+    """One expert's checkpoint matrix as (the layer's FusedExperts parameter, shard "gate:3"),
+    or None when `name` is not an expert's."""
+    found = _EXPERT.search(name)
+    if found is None:
+        return None
+    param, part = _PART[found.group(2)]
+    return f"{name[: found.start()]}.mlp.experts.{param}", f"{part}:{found.group(1)}"
+
+
 class SparseMoE(nn.Module):
     """A softmax top-k router over `FusedExperts`, plus Qwen2-MoE's gated shared expert."""
 
@@ -169,10 +179,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         return experts is None or 0 <= int(found.group(1)) - experts.first_expert < experts.local_experts
 
     def route_weight(self, name: str) -> tuple[str, str | None]:
-        found = _EXPERT.search(name)
-        if found is not None:
-            param, part = _PART[found.group(2)]
-            return f"{name[: found.start()]}.mlp.experts.{param}", f"{part}:{found.group(1)}"
+        expert = route_expert_weight(name)
+        if expert is not None:
+            return expert
         router = _ROUTER.search(name)
         if router is not None:
             return name[: router.start()] + ".mlp.router", None
