@@ -97,7 +97,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(
     deepseek_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     prompts = random_prompts(LENGTHS, seed=3)
-    with caplog.at_level(logging.INFO, logger="dolmus.runtime.model_runner"):
+    with caplog.at_level(logging.INFO, logger="dolmus.runtime.kv_sizing"):
         llm = LLM(str(deepseek_dir), dtype="float32")
     assert run_tokens(llm, prompts, greedy(16)) == [hf_greedy(deepseek_dir, p, 16) for p in prompts]
     ids = prompts[-1]

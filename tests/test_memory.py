@@ -11,7 +11,7 @@ import torch
 from dolmus import LLM, SamplingParams
 from dolmus.config import DEFAULT_MODEL_DIR, EngineConfig
 from dolmus.engine.engine import Engine
-from dolmus.runtime.model_runner import available_memory
+from dolmus.runtime.kv_sizing import available_memory
 
 
 def rss_bytes() -> int:

@@ -19,31 +19,23 @@ import torch
 
 from dolmus.config import (
     AMX_CPU_BATCHED_TOKENS,
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    DEFAULT_GPU_KV_CACHE_FRACTION,
     EngineConfig,
     ModelConfig,
-    SpeculativeConfig,
 )
-from dolmus.distributed.collectives import agree_on_min
 from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.kv_connector.worker_side import make_worker_connector
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
-from dolmus.runtime.attention.kv_store import kv_bytes_per_token, make_kv_store
-from dolmus.runtime.draft_model import DraftModel
-from dolmus.runtime.eagle_drafter import EagleDrafter
+from dolmus.runtime.attention.kv_store import make_kv_store
+from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
+from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import Linear, module_bytes
 from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
-from dolmus.runtime.medusa_drafter import MedusaDrafter
-from dolmus.runtime.models.deepseek_mtp import load_mtp
-from dolmus.runtime.models.eagle3 import load_eagle3
 from dolmus.runtime.models.llama_decode import FusedDecoder
-from dolmus.runtime.models.medusa import load_medusa
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
@@ -52,20 +44,6 @@ from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def usable_cores() -> int:
@@ -177,15 +155,18 @@ class ModelRunner:
             int8_block_activations=config.gguf_activations == "int8",
         )
         spec = config.speculative_config
-        method = spec.method if spec is not None else None
-        self.drafter = self._load_draft(spec, max_model_len) if method == "draft_model" else None
-        self.eagle = None  # an EAGLE-3 head, or DeepSeek-V3's MTP layer (drafting alike)
-        if method == "eagle3":
-            self.eagle = self._load_eagle(spec, max_model_len)
-        elif method == "mtp":
-            self.eagle = self._load_mtp(model_path, max_model_len)
-        self.medusa = self._load_medusa(spec) if method == "medusa" else None
-        self.num_blocks = self._plan_kv_blocks(max_model_len)
+        target = Target(
+            config, model_config, self.model, model_path, dtype, device, self.attention, self.native_kernels
+        )
+        drafters = load_drafters(spec, target, max_model_len)
+        self.drafter, self.medusa = drafters.draft, drafters.medusa
+        self.eagle = drafters.eagle  # an EAGLE-3 head, or DeepSeek-V3's MTP layer (drafting alike)
+        per_token = target_kv_bytes_per_token(model_config, self.num_kv_heads, config.kv_cache_dtype, dtype)
+        for extra in (self.drafter, self.eagle):  # their pools have the same blocks
+            if extra is not None:
+                per_token += extra.kv_bytes_per_token(config.kv_cache_dtype, dtype)
+        self.kv_bytes_per_token = per_token
+        self.num_blocks = plan_kv_blocks(config, per_token, device, max_model_len, parallel, local_ranks)
         cfg = model_config
         slots = self.num_blocks * self.block_size
         heads, width, value_dim = cfg.kv_layout(self.num_kv_heads)
@@ -231,89 +212,6 @@ class ModelRunner:
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
         self.kv_connector = make_worker_connector(config, model_path, dtype, device, parallel, pools)
 
-    def _load_draft(self, spec: SpeculativeConfig, max_model_len: int) -> DraftModel:
-        """The draft model of speculative decoding, on the target's device, dtype and kernels."""
-        path = Path(spec.model)  # type: ignore[arg-type]
-        cfg = ModelConfig.from_dir(path)
-        if cfg.vocab_size != self.model_config.vocab_size:
-            raise ValueError(
-                f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
-                f"target's ({self.model_config.vocab_size}); a draft must share the target's tokenizer"
-            )
-        config = self.config
-        method = make_linear_method(
-            config.prepack_weights,
-            spec.quantization,
-            config.quant_group_size,
-            config.quant_symmetric,
-            config.quant_lm_head,
-            config.native_kernels,
-        )
-        model = load_model(
-            path,
-            cfg,
-            self.dtype,
-            self.device,
-            method,
-            self.attention,
-            max_model_len,
-            ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
-        )
-        logger.info("draft model: %s (%d layers, quantization %s)", path, cfg.num_layers, spec.quantization)
-        return DraftModel(model, cfg)
-
-    def _load_eagle(self, spec: SpeculativeConfig, max_model_len: int) -> EagleDrafter:
-        """An EAGLE-3 head on the target's device and dtype, sharing its embedding, and the
-        target set to keep the hidden states the head reads."""
-        head = load_eagle3(
-            Path(spec.model),  # type: ignore[arg-type]
-            self.model_config,
-            self.dtype,
-            self.device,
-            make_linear_method(False, native_kernels=self.config.native_kernels),
-            self.attention,
-            max_model_len,
-            NATIVE_OPS if self.native_kernels else TORCH_OPS,
-        )
-        if head.embed_tokens is None:
-            head.embed_tokens = self.model.model.embed_tokens
-        self.model.capture_layers = head.aux_layers
-        logger.info("EAGLE-3 head: %s (reads layers %s)", spec.model, head.aux_layers)
-        return EagleDrafter(head)
-
-    def _load_mtp(self, model_path: Path, max_model_len: int) -> EagleDrafter:
-        """The target checkpoint's MTP layer, sharing the target's embedding unless it has its own."""
-        head = load_mtp(
-            model_path,
-            self.model_config,
-            self.dtype,
-            self.device,
-            make_linear_method(False, native_kernels=self.config.native_kernels),
-            self.attention,
-            max_model_len,
-            NATIVE_OPS if self.native_kernels else TORCH_OPS,
-        )
-        if head.embed_tokens is None:
-            head.embed_tokens = self.model.model.embed_tokens
-        logger.info("MTP layer: model.layers.%d of %s", self.model_config.num_layers, model_path)
-        return EagleDrafter(head)
-
-    def _load_medusa(self, spec: SpeculativeConfig) -> MedusaDrafter:
-        """Medusa heads on the target's device and dtype, reading its final hidden states."""
-        heads = load_medusa(
-            Path(spec.model),  # type: ignore[arg-type]
-            self.model_config,
-            spec.num_speculative_tokens,
-            self.dtype,
-            self.device,
-            make_linear_method(False, native_kernels=self.config.native_kernels),
-        )
-        if not heads.lm_heads:
-            heads.target_head = self.model.compute_logits
-        logger.info("Medusa heads: %s (%d heads)", spec.model, heads.num_heads)
-        rows = self.config.max_num_seqs
-        return MedusaDrafter(heads, rows, self.model_config.hidden_size, self.dtype, self.device)
-
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
         return cls(
@@ -351,90 +249,6 @@ class ModelRunner:
         if linears and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
             return AMX_CPU_BATCHED_TOKENS
         return None
-
-    def _plan_kv_blocks(self, max_model_len: int) -> int:
-        mc = self.model_config
-        heads, width, value_dim = mc.kv_layout(self.num_kv_heads)
-        layer_bytes = kv_bytes_per_token(
-            self.config.kv_cache_dtype, heads, width, self.dtype, latent=value_dim is not None
-        )
-        per_token = mc.num_layers * layer_bytes
-        if value_dim is not None:
-            # what per-head keys ((nope + rope) each) and values would take instead
-            mha = mc.num_heads * (mc.qk_nope_head_dim + mc.qk_rope_head_dim + mc.v_head_dim)
-            mha_bytes = mha * self.dtype.itemsize
-            logger.info(
-                "MLA latent KV cache: %d bytes per token per layer (kv_lora_rank %d + rope %d), "
-                "%d over %d layers; per-head K/V (MHA) would take %d per layer, %d in all (%.1fx)",
-                layer_bytes,
-                mc.kv_lora_rank,
-                mc.qk_rope_head_dim,
-                per_token,
-                mc.num_layers,
-                mha_bytes,
-                mha_bytes * mc.num_layers,
-                mha_bytes / layer_bytes,
-            )
-        for extra in (self.drafter, self.eagle):  # their pools have the same blocks
-            if extra is not None:
-                per_token += extra.kv_bytes_per_token(self.config.kv_cache_dtype, self.dtype)
-        per_block = per_token * self.block_size
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = int(available_memory(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        elif budget <= 1:
-            budget = int(available_memory(self.device) * budget)
-        if self.device.type == "cpu":  # the host's budget, shared by the ranks on it
-            budget //= self.local_ranks
-        num_blocks = int(budget) // per_block
-        # More blocks than every seat at full length (plus as many again for the prefix
-        # cache) would only be memory no one uses.
-        useful = 2 * self.config.max_num_seqs * -(-max_model_len // self.block_size)
-        num_blocks = min(num_blocks, useful)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {int(budget)} bytes holds no block of {per_block} bytes")
-        if self.device.type == "cpu":
-            num_blocks = self._fit_cpu_pool(
-                num_blocks, per_block, explicit=self.config.kv_cache_memory is not None
-            )
-        # Every rank holds the same blocks (the engine addresses them by id on all ranks).
-        num_blocks = agree_on_min(num_blocks, self.parallel, self.device)
-        self.kv_bytes_per_token = per_token
-        logger.info(
-            "KV cache (%s): %d blocks of %d tokens = %d tokens fit (%.1f MB, %d bytes per token)",
-            self.config.kv_cache_dtype,
-            num_blocks,
-            self.block_size,
-            num_blocks * self.block_size,
-            num_blocks * per_block / 1e6,
-            per_token,
-        )
-        return num_blocks
-
-    def _fit_cpu_pool(self, num_blocks: int, per_block: int, explicit: bool) -> int:
-        """The pool's pages become resident as blocks are first used (kv_store.zeros), so a pool
-        larger than the memory free now would end in the OOM killer mid-serving: refuse an
-        explicit one, and shrink the default to half of what is free."""
-        free = available_memory(self.device) // self.local_ranks  # this rank's share of the host
-        if num_blocks * per_block <= (free if explicit else free // 2):
-            return num_blocks
-        if explicit:
-            raise ValueError(
-                f"kv_cache_memory: a pool of {num_blocks * per_block / 2**30:.1f} GiB does not fit in the "
-                f"{free / 2**30:.1f} GiB of memory available; ask for less"
-            )
-        fitted = max(1, free // 2 // per_block)
-        logger.warning(
-            "KV cache: the default pool of %.1f GiB would not leave half of the %.1f GiB available; "
-            "using %.1f GiB (set kv_cache_memory to choose)",
-            num_blocks * per_block / 2**30,
-            free / 2**30,
-            fitted * per_block / 2**30,
-        )
-        return fitted
 
     # -- the persistent batch -----------------------------------------------------------
 
