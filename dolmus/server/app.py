@@ -135,7 +135,9 @@ class ServerState:
             self.server_config.gpu_hour_cost,
         )
         self.completions = OpenAICompletions(serving)
-        self.chat = OpenAIChat(serving)
+        self.chat = OpenAIChat(
+            serving, self.server_config.reasoning_parser, self.server_config.tool_call_parser
+        )
         self.serving = serving
         # What is loaded lives as long as the server: out of the collector's sight, a full
         # collection no longer walks it (30-150 ms pauses every few seconds held streams back).

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered through the chat template into one engine
-request with n samples; assistant messages (tool calls parsed per server/tools.py) and chat
-logprobs out, whole or as `chat.completion.chunk` deltas."""
+request with n samples; assistant messages (reasoning split per openai/reasoning.py, tool
+calls parsed per server/tools/) and chat logprobs out, whole or as `chat.completion.chunk`
+deltas."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.access import Client
 from dolmus.server.errors import APIError
+from dolmus.server.openai.reasoning import ReasoningStream, reasoning_enabled, split_reasoning
 from dolmus.server.openai.shared import (
     envelope,
     include_usage,
@@ -42,8 +44,25 @@ _CHUNK = "chat.completion.chunk"
 
 
 class OpenAIChat:
-    def __init__(self, serving: Serving) -> None:
+    def __init__(
+        self, serving: Serving, reasoning_parser: str | None = None, tool_call_parser: str = "hermes"
+    ) -> None:
         self.serving = serving
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+
+    def _reasoning(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> str | None:
+        """The request's reasoning parser, if its output is to be split. Not under a named or
+        required tool_choice: the grammar shapes the output from its first token (there is no
+        think block), and deepseek_r1 would take the whole call for reasoning."""
+        if plan is not None and plan.mode in ("named", "required"):
+            return None
+        on = reasoning_enabled(self.reasoning_parser, body.chat_template_kwargs)
+        return self.reasoning_parser if on else None
+
+    def _reasoning_tokens(self, reasoning: list[str]) -> int:
+        tokenizer = self.serving.tokenizer
+        return sum(len(tokenizer.encode(r, add_special_tokens=False)) for r in reasoning if r)
 
     async def create(
         self, body: ChatCompletionRequest, priority: int, raw: Request, client: Client | None = None
@@ -59,22 +78,32 @@ class OpenAIChat:
         params = sampling_params(
             body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, structured
         )
-        ids = await self.render(body.messages, body.add_generation_prompt, plan.tools if plan else None)
+        ids = await self.render(
+            body.messages, body.add_generation_prompt, plan.tools if plan else None, body.chat_template_kwargs
+        )
+        reasoning = self._reasoning(body, plan)
         serving.check_length(
             ids, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
         job = serving.admit(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority, client)
         if body.stream:
-            return sse(self._events(job, include_usage(body), plan))
+            return sse(self._events(job, include_usage(body), plan, reasoning))
         outputs = await serving.collect(job, raw)
         if outputs is None:
             return None
         choices = []
+        thoughts: list[str] = []
         for c in outputs[0].outputs:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text = c.text
+            if reasoning is not None:
+                message["reasoning_content"], content = split_reasoning(reasoning, c.text)
+                message["content"] = content
+                text = content or ""
+                thoughts.append(message["reasoning_content"] or "")
             finish = c.finish_reason
             if plan is not None and plan.mode != "none":
-                message["content"], calls = extract_calls(plan, c.text)
+                message["content"], calls = extract_calls(plan, text)
                 if calls:
                     message["tool_calls"] = calls
                 finish = tool_finish(finish, calls)
@@ -93,7 +122,7 @@ class OpenAIChat:
                 job,
                 "chat.completion",
                 choices,
-                usage=usage(job, outputs),
+                usage=usage(job, outputs, self._reasoning_tokens(thoughts) if reasoning else None),
                 timings=serving.timings(outputs),
                 **kv_transfer_field(outputs),
             )
@@ -104,19 +133,27 @@ class OpenAIChat:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The messages' token ids through the chat template (a 400 naming `messages` if it fails)."""
         serving = self.serving
         plain = [_template_message(m) for m in messages]
         try:
             return await asyncio.to_thread(
-                render_chat, serving.tokenizer, plain, serving.chat_template, add_generation_prompt, tools
+                render_chat,
+                serving.tokenizer,
+                plain,
+                serving.chat_template,
+                add_generation_prompt,
+                tools,
+                template_kwargs,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
+            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+            raise APIError(400, str(exc), param=param) from exc
 
     async def _events(
-        self, job: Job, with_usage: bool, plan: ToolPlan | None = None
+        self, job: Job, with_usage: bool, plan: ToolPlan | None = None, reasoning: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         serving = self.serving
         n = job.params.n
@@ -131,6 +168,7 @@ class OpenAIChat:
             yield envelope(serving, job, _CHUNK, [choice], **usage_field)
         sent = [0] * n
         tool_streams = [ToolStream(plan) for _ in range(n)] if plan and plan.mode != "none" else None
+        thinking = [ReasoningStream(reasoning) for _ in range(n)] if reasoning else None
         last: RequestOutput | None = None
         async for _, out in serving.stream(job):
             last = out
@@ -140,12 +178,19 @@ class OpenAIChat:
                 start, end = sent[c.index], len(c.token_ids)
                 sent[c.index] = -1 if c.finished else end
                 logprobs = self._logprobs(c, start, end, job.params)
+                text_delta = c.text_delta
+                deltas: list[dict[str, Any]] = []
+                if thinking is not None:
+                    thought, text_delta = thinking[c.index].feed(c.text_delta, c.finished)
+                    deltas = [{"reasoning_content": thought}] if thought else []
                 if tool_streams is None:
                     # empty content while the text is held back; a last chunk without text has none
-                    deltas = [{"content": c.text_delta}] if c.text_delta or not c.finished else []
+                    if text_delta or not (c.finished or deltas):
+                        deltas.append({"content": text_delta})
                     finish = c.finish_reason
                 else:
-                    deltas, finish = tool_streams[c.index].feed(c.text_delta, c.finish_reason)
+                    more, finish = tool_streams[c.index].feed(text_delta, c.finish_reason)
+                    deltas += more
                 for k, delta in enumerate(deltas or [{}]):
                     done = k == max(len(deltas), 1) - 1
                     choice = {
@@ -162,8 +207,9 @@ class OpenAIChat:
                         extra = {"timings": serving.timings([out], [c])} if final else {}
                         yield envelope(serving, job, _CHUNK, [choice], **usage_field, **extra)
         if with_usage and last is not None:
+            thoughts = self._reasoning_tokens([t.reasoning for t in thinking]) if thinking else None
             yield envelope(
-                serving, job, _CHUNK, [], usage=usage(job, [last]), timings=serving.timings([last])
+                serving, job, _CHUNK, [], usage=usage(job, [last], thoughts), timings=serving.timings([last])
             )
 
     def _logprobs(
