@@ -30,15 +30,7 @@ from dolmus.server.openai.shared import (
 )
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage
 from dolmus.server.serving_common import Job, Serving, sse
-from dolmus.server.tools import (
-    TOOL_CALL_OPEN,
-    ToolPlan,
-    extract_calls,
-    held_back,
-    plan_tools,
-    tool_call,
-    tool_finish,
-)
+from dolmus.server.tools import ToolPlan, extract_calls, plan_tools, tool_call, tool_finish
 
 _CHUNK = "chat.completion.chunk"
 
@@ -70,7 +62,9 @@ class OpenAIChat:
         serving = self.serving
         serving.check_model(body.model)
         serving.check_n(body.n)
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
+        if plan is not None and plan.mode == "auto" and plan.parser.keeps_special_tokens:
+            body.skip_special_tokens = False  # the call marker is a special token
         structured = await output_constraint(serving, body, plan.structured if plan else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -236,8 +230,8 @@ class ToolStream:
     """Turns one choice's streamed text into OpenAI tool-call deltas.
 
     A named function's arguments stream as they are made; for "required" and "auto" the
-    calls are parsed once the choice finishes ("auto" streams plain content until a
-    `<tool_call>` tag starts, holding back what could be the start of one).
+    calls are parsed once the choice finishes, and each goes out whole ("auto" streams plain
+    content until the parser sees calls begin, holding back what could be the start of one).
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -258,9 +252,10 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
             return out, tool_finish(finish, [self.call]) if finish else None
         if self.plan.mode == "auto" and not self.in_call:
-            at = self.text.find(TOOL_CALL_OPEN, self.streamed)
+            parser = self.plan.parser
+            at = parser.call_start(self.text)
             self.in_call = at >= 0
-            end = at if self.in_call else len(self.text) - (0 if finish else held_back(self.text))
+            end = at if self.in_call else len(self.text) - (0 if finish else parser.held_back(self.text))
             if end > self.streamed:
                 out.append({"content": self.text[self.streamed : end]})
                 self.streamed = end

@@ -8,7 +8,12 @@ and turning the generated text back into OpenAI `tool_calls`.
   {"name": <one of the tools>, "arguments": <its parameters>} objects (exactly one with
   `parallel_tool_calls: false`).
 - "auto" (the default when tools are given): unconstrained; calls are parsed from the
-  Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+  model's own format by the server's `--tool-call-parser` (server/tools/base.py's registry;
+  hermes by default: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks).
+
+Named and required are forced in one format-independent JSON shape whatever the parser, as
+vLLM does: the reply becomes OpenAI tool_calls either way, and one grammar per shape serves
+every model family.
 
 Output cut by max_tokens keeps finish_reason "length"; a cut "required" array still yields
 the calls finished before the cut.
@@ -19,14 +24,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dolmus.server.errors import APIError
+from dolmus.server.tools.base import ToolParser, get_tool_parser
+from dolmus.server.tools.hermes import HermesParser
 from dolmus.structured.spec import StructuredOutput
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-TOOL_CALL_OPEN = "<tool_call>"
 _SPACE = re.compile(r"\s*")
 
 
@@ -36,12 +41,14 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     name: str | None = None
     structured: StructuredOutput | None = None
+    parser: ToolParser = field(default_factory=HermesParser)  # reads "auto" replies
 
 
 def plan_tools(
     tools: list[dict[str, Any]] | None,
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool = True,
+    parser: str = "hermes",
 ) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none"):
@@ -60,7 +67,7 @@ def plan_tools(
         by_name[fn["name"]] = params
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, tools)
+        return ToolPlan(choice, tools, parser=get_tool_parser(parser))
     if choice == "required":
         call = [
             {
@@ -108,18 +115,8 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
                 return text, []  # not one call finished: give back the text as it is
         return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
     if plan.mode == "auto":
-        calls = []
-        for block in _TOOL_CALL.findall(text):
-            try:
-                data = json.loads(block)
-                calls.append(
-                    tool_call(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
-                )
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # not a well-formed call: it stays in the content
-        if calls:
-            content = _TOOL_CALL.sub("", text).strip()
-            return content or None, calls
+        content, calls = plan.parser.parse(text)
+        return content, [tool_call(name, arguments) for name, arguments in calls]
     return text, []
 
 
@@ -152,11 +149,3 @@ def _complete_items(text: str) -> list[dict[str, Any]]:
             break
         at = _SPACE.match(text, at + 1).end()
     return items
-
-
-def held_back(text: str) -> int:
-    """How many trailing characters may be the start of a `<tool_call>` tag (auto streaming)."""
-    for n in range(min(len(TOOL_CALL_OPEN), len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
