@@ -62,6 +62,13 @@ CASES = [
         "",
         [PARIS, F],
     ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>',
+        None,
+        "",
+        [PARIS],
+    ),
     ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", "", []),
     ("mistral", "a [TOOL plain", "a [TOOL plain", "a [TOOL plain", []),
     (

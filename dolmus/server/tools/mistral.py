@@ -1,7 +1,8 @@
 """Mistral tool calls: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (the v3
 tokenizers' format), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11+). The text before the
 first `[TOOL_CALLS]` is the content. `[TOOL_CALLS]` is a special token, kept in the text under
-tool_choice auto (as vLLM does)."""
+tool_choice auto (as vLLM does), so text after the calls (the end-of-sequence token's text)
+is ignored."""
 
 from __future__ import annotations
 
@@ -42,9 +43,7 @@ def _parse_calls(body: str) -> list[Call] | None:
             items, end = _DECODER.raw_decode(body.lstrip())
         except json.JSONDecodeError:
             return None
-        if body.lstrip()[end:].strip():
-            return None
-        return json_calls(items)
+        return json_calls(items)  # what follows the array (an end-of-sequence token) is no call
     calls: list[Call] = []
     for part in body.split(TOOL_CALLS):
         m = _NAMED.match(part)
@@ -55,7 +54,7 @@ def _parse_calls(body: str) -> list[Call] | None:
         except json.JSONDecodeError:
             return None
         as_json = arguments_json(arguments)
-        if as_json is None or part[end:].strip():
+        if as_json is None:
             return None
         calls.append((m.group(1), as_json))
     return calls
