@@ -85,6 +85,9 @@ def test_chat_template_kwargs_reach_the_template(server: RemoteServer, client: o
     on = _ask(client, THINK, False)
     off = _ask(client, THINK, False, chat_template_kwargs={"enable_thinking": False})
     assert off[2].prompt_tokens > on[2].prompt_tokens  # the template added <think></think>
+    for kwargs, usage in (({}, on[2]), ({"enable_thinking": False}, off[2])):  # /tokenize renders alike
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": ASK, "chat_template_kwargs": kwargs})
+        assert r.json()["count"] == usage.prompt_tokens
     if server.reasoning_parser == "qwen3":  # thinking off: nothing is parsed, the text stays whole
         assert off[0] is None and re.fullmatch(THINK, off[1])
         assert off[2].completion_tokens_details is None  # no parser, no reasoning_tokens

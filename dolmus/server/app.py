@@ -314,7 +314,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             assert state.chat is not None
-            ids = await state.chat.render(body.messages, body.add_generation_prompt)
+            ids = await state.chat.render(
+                body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
         else:
             ids = await asyncio.to_thread(
                 serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
