@@ -24,6 +24,15 @@ CASES = [
         "Let me check.\n",
         [PARIS],
     ),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        + "<tool_call>bad</tool_call>"
+        + f"<tool_call>{json.dumps({'name': 'f', 'arguments': F[1]})}</tool_call>",
+        "<tool_call>bad</tool_call>",
+        "",
+        [PARIS, F],
+    ),
     ("hermes", "no <tool_ calls <here>", "no <tool_ calls <here>", "no <tool_ calls <here>", []),
     ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", "", []),
     ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Paris"}}', None, " ", [PARIS]),
@@ -136,3 +145,16 @@ def test_content_streams_before_the_reply_ends() -> None:
     pythonic = ToolStream(ToolPlan("auto", TOOLS, parser=get_tool_parser("pythonic")))
     assert pythonic.feed("  ", None) == ([], None)  # may yet open a list of calls
     assert pythonic.feed("[get", None) == ([{"content": "  "}], None)  # it did: held from here
+
+
+def test_each_call_goes_out_once_it_is_final() -> None:
+    first = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    hermes = ToolStream(ToolPlan("auto", TOOLS, parser=get_tool_parser("hermes")))
+    deltas, _ = hermes.feed(f"<tool_call>{first}</tool_call>\n<tool_call>{{", None)
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas] == ["get_weather"]
+    required = ToolStream(ToolPlan("required", TOOLS))
+    assert required.feed(f"[{first[:-1]}", None) == ([], None)
+    deltas, _ = required.feed('}, {"name', None)
+    assert [json.loads(d["tool_calls"][0]["function"]["arguments"]) for d in deltas] == [{"city": "Paris"}]
+    pythonic = ToolStream(ToolPlan("auto", TOOLS, parser=get_tool_parser("pythonic")))
+    assert pythonic.feed('[get_weather(city="Paris"), f(', None) == ([], None)  # all or nothing: at the end

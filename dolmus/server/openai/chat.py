@@ -30,7 +30,7 @@ from dolmus.server.openai.shared import (
 )
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage
 from dolmus.server.serving_common import Job, Serving, sse
-from dolmus.server.tools import ToolPlan, extract_calls, plan_tools, tool_call, tool_finish
+from dolmus.server.tools import ToolPlan, extract_calls, finished_calls, plan_tools, tool_call, tool_finish
 
 _CHUNK = "chat.completion.chunk"
 
@@ -229,9 +229,11 @@ class OpenAIChat:
 class ToolStream:
     """Turns one choice's streamed text into OpenAI tool-call deltas.
 
-    A named function's arguments stream as they are made; for "required" and "auto" the
-    calls are parsed once the choice finishes, and each goes out whole ("auto" streams plain
-    content until the parser sees calls begin, holding back what could be the start of one).
+    A named function's arguments stream as they are made. Under "required" and "auto" each
+    call goes out whole (id, name and arguments in one delta) as soon as it is final: an array
+    item once closed, a Hermes block once closed, and for formats whose reply is calls all or
+    nothing (llama3_json, mistral, pythonic) when the choice finishes. "auto" streams plain
+    content until the parser sees calls begin, holding back what could be the start of one.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -240,6 +242,7 @@ class ToolStream:
         self.streamed = 0  # characters of text already sent as content
         self.in_call = False
         self.call: dict[str, Any] | None = None
+        self.sent_calls = 0  # calls already sent whole
 
     def feed(self, delta: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
         self.text += delta
@@ -260,13 +263,21 @@ class ToolStream:
                 out.append({"content": self.text[self.streamed : end]})
                 self.streamed = end
         if not finish:
+            if self.plan.mode == "required" or self.in_call:
+                out += self._send(finished_calls(self.plan, self.text))
             return out, None
         content, calls = extract_calls(self.plan, self.text)
         if not calls:
             rest = self.text[self.streamed :]
             return out + ([{"content": rest}] if rest else []), finish
-        out += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
+        out += self._send(calls)
         return out, tool_finish(finish, calls)
+
+    def _send(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Deltas for the calls not sent yet (`calls` starts with the ones that were)."""
+        new = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls) if i >= self.sent_calls]
+        self.sent_calls = max(self.sent_calls, len(calls))
+        return new
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:

@@ -36,6 +36,12 @@ class ToolParser(ABC):
     def held_back(self, text: str) -> int:
         """How many trailing characters may be the start of a call marker (not streamed yet)."""
 
+    def finished_calls(self, text: str) -> list[Call]:
+        """The calls of a reply still being written that no later text can change, so a stream
+        can send them before the reply ends: the first calls of `parse`'s final list. None by
+        default (a format whose reply is calls all or nothing only knows at the end)."""
+        return []
+
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 

@@ -17,21 +17,27 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
-        calls: list[Call] = []
-        for block in _TOOL_CALL.findall(text):
-            try:
-                found = json_calls(json.loads(block))
-            except json.JSONDecodeError:
-                continue  # not a well-formed call: it stays in the content
-            if found is not None and len(found) == 1:
-                calls += found
+        calls = self.finished_calls(text)
         if not calls:
             return text, []
-        content = _TOOL_CALL.sub("", text).strip()
+        # a block that is no well-formed call stays in the content
+        content = _TOOL_CALL.sub(lambda m: "" if _call(m.group(1)) else m.group(0), text).strip()
         return content or None, calls
+
+    def finished_calls(self, text: str) -> list[Call]:
+        # each closed block is final: more text cannot change where it ends
+        return [call for block in _TOOL_CALL.findall(text) if (call := _call(block)) is not None]
 
     def call_start(self, text: str) -> int:
         return text.find(TOOL_CALL_OPEN)
 
     def held_back(self, text: str) -> int:
         return partial_marker(text, TOOL_CALL_OPEN)
+
+
+def _call(block: str) -> Call | None:
+    try:
+        found = json_calls(json.loads(block))
+    except json.JSONDecodeError:
+        return None
+    return found[0] if found is not None and len(found) == 1 else None

@@ -120,6 +120,20 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
     return text, []
 
 
+def finished_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
+    """The calls of a reply still being written that are final already (streaming sends each
+    once it is complete): the array items closed so far under "required", and what the parser
+    can tell under "auto"."""
+    if plan.mode == "required":
+        return [
+            tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+            for c in _complete_items(text)
+        ]
+    if plan.mode == "auto":
+        return [tool_call(name, arguments) for name, arguments in plan.parser.finished_calls(text)]
+    return []
+
+
 def tool_finish(finish: str | None, calls: list[dict[str, Any]]) -> str | None:
     """The choice's finish_reason: "tool_calls" once the model has made its calls, but "length"
     stays when max_tokens cut the output, so a client knows more calls (or arguments) may be
