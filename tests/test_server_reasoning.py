@@ -5,6 +5,7 @@ parser works on text, and the tags come out as ordinary tokens here."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -98,3 +99,22 @@ def test_chat_template_kwargs_reach_the_template(server: RemoteServer, client: o
         json={"messages": ASK, "chat_template_kwargs": {"tokenize": True}},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_constrained_reply_without_a_think_block_is_content(client: openai.OpenAI) -> None:
+    """A grammar shapes the output from its first token: a JSON reply stays content, also under
+    deepseek_r1, whose unconstrained output would count as reasoning until </think>."""
+    schema = {"type": "object", "properties": {"word": {"enum": ["yes", "no"]}}, "required": ["word"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=1.0, seed=1, response_format=fmt)
+    msg = client.chat.completions.create(**kwargs).choices[0].message
+    assert getattr(msg, "reasoning_content", None) is None and json.loads(msg.content)["word"] in (
+        "yes",
+        "no",
+    )
+    streamed = "".join(
+        c.delta.content or ""
+        for ch in client.chat.completions.create(stream=True, **kwargs)
+        for c in ch.choices
+    )
+    assert streamed == msg.content

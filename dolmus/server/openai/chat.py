@@ -81,7 +81,7 @@ class OpenAIChat:
         )
         job = serving.admit(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, priority, client)
         if body.stream:
-            return sse(self._events(job, include_usage(body), plan, reasoning))
+            return sse(self._events(job, include_usage(body), plan, reasoning, structured is not None))
         outputs = await serving.collect(job, raw)
         if outputs is None:
             return None
@@ -91,7 +91,9 @@ class OpenAIChat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             text = c.text
             if reasoning is not None:
-                message["reasoning_content"], content = split_reasoning(reasoning, c.text)
+                message["reasoning_content"], content = split_reasoning(
+                    reasoning, c.text, structured is not None
+                )
                 message["content"] = content
                 text = content or ""
                 thoughts.append(message["reasoning_content"] or "")
@@ -147,7 +149,12 @@ class OpenAIChat:
             raise APIError(400, str(exc), param=param) from exc
 
     async def _events(
-        self, job: Job, with_usage: bool, plan: ToolPlan | None = None, reasoning: str | None = None
+        self,
+        job: Job,
+        with_usage: bool,
+        plan: ToolPlan | None = None,
+        reasoning: str | None = None,
+        constrained: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         serving = self.serving
         n = job.params.n
@@ -162,7 +169,7 @@ class OpenAIChat:
             yield envelope(serving, job, _CHUNK, [choice], **usage_field)
         sent = [0] * n
         tool_streams = [ToolStream(plan) for _ in range(n)] if plan and plan.mode != "none" else None
-        thinking = [ReasoningStream(reasoning) for _ in range(n)] if reasoning else None
+        thinking = [ReasoningStream(reasoning, constrained) for _ in range(n)] if reasoning else None
         last: RequestOutput | None = None
         async for _, out in serving.stream(job):
             last = out

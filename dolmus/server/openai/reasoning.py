@@ -7,6 +7,11 @@ the rest to `content` (`--reasoning-parser`, vLLM's names).
 - qwen3: reasoning only where the output opens `<think>`; text before it is content. A request
   with `chat_template_kwargs: {"enable_thinking": false}` is not parsed at all.
 
+Under an output constraint (response_format, guided_*) the grammar shapes the output from its
+first token (vLLM starts it after `</think>`; here it covers the think block too), so a
+constrained deepseek_r1 output that never closes a think block is content, not reasoning: a
+JSON reply stays a JSON reply. Streamed, such an output is held until `</think>` or its end.
+
 The parser works on text, not token ids: a tag may be one special token or several ordinary
 ones, and may arrive split across stream deltas. One state machine serves both cases: the
 whole text is one feed, so a stream's joined deltas always equal the non-streamed split.
@@ -46,7 +51,7 @@ def _partial_tag(text: str, tag: str) -> int:
 class ReasoningStream:
     """Splits one choice's text, fed in deltas, into (reasoning, content) deltas."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, constrained: bool = False) -> None:
         if parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {parser!r}"
@@ -54,6 +59,9 @@ class ReasoningStream:
         self.parser = parser
         # deepseek_r1 starts inside the block (an explicit `<think>` may still come first)
         self.state = _START
+        # deepseek_r1 under a constraint: an unclosed think block is content, so hold it all
+        self.hold_unclosed = constrained and parser == "deepseek_r1"
+        self.opened = ""  # the explicit `<think>` dropped at the start, given back if unclosed
         self.pending = ""  # text not yet given out: a possible partial tag
         self.reasoning = ""  # all reasoning so far (for the usage's reasoning_tokens)
 
@@ -68,7 +76,8 @@ class ReasoningStream:
                 if self.parser == "deepseek_r1":
                     if THINK_OPEN.startswith(text) and not final:
                         return self._out(reasoning, content)  # may yet be `<think>`
-                    self.pending = text[len(THINK_OPEN) :] if text.startswith(THINK_OPEN) else text
+                    self.opened = THINK_OPEN if text.startswith(THINK_OPEN) else ""
+                    self.pending = text[len(self.opened) :]
                     self.state = _REASONING
                     continue
                 at = text.find(THINK_OPEN)
@@ -88,6 +97,11 @@ class ReasoningStream:
                     self.pending = text[at + len(THINK_CLOSE) :]
                     self.state = _CONTENT
                     continue
+                if self.hold_unclosed:
+                    if final:  # never closed: it was no think block
+                        content.append(self.opened + text)
+                        self.pending = ""
+                    break
                 keep = 0 if final else _partial_tag(text, THINK_CLOSE)
                 reasoning.append(text[: len(text) - keep])
                 self.pending = text[len(text) - keep :]
@@ -103,7 +117,7 @@ class ReasoningStream:
         return r, "".join(content)
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(parser: str, text: str, constrained: bool = False) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a finished output; None for a part that is empty."""
-    reasoning, content = ReasoningStream(parser).feed(text, final=True)
+    reasoning, content = ReasoningStream(parser, constrained).feed(text, final=True)
     return reasoning or None, content or None
