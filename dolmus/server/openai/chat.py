@@ -30,7 +30,7 @@ from dolmus.server.openai.shared import (
 )
 from dolmus.server.protocol import ChatCompletionRequest, ChatMessage
 from dolmus.server.serving_common import Job, Serving, sse
-from dolmus.server.tools import ToolPlan, extract_calls, finished_calls, plan_tools, tool_call, tool_finish
+from dolmus.server.tools import ToolPlan, extract_calls, finished_calls, plan_tools, tool_finish
 
 _CHUNK = "chat.completion.chunk"
 
@@ -256,7 +256,7 @@ class ToolStream:
         out: list[dict[str, Any]] = []
         if self.plan.mode == "named":
             if self.call is None:
-                self.call = tool_call(self.plan.name or "", "")
+                self.call = self.plan.call(self.plan.name or "", "")
                 out.append({"tool_calls": [{"index": 0, **self.call}]})
             if delta:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})

@@ -9,6 +9,7 @@ model's format.
 from __future__ import annotations
 
 import json
+import uuid
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -35,6 +36,10 @@ class ToolParser(ABC):
     @abstractmethod
     def held_back(self, text: str) -> int:
         """How many trailing characters may be the start of a call marker (not streamed yet)."""
+
+    def call_id(self) -> str:
+        """A new tool call's id (OpenAI's style unless the model's template wants another)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def finished_calls(self, text: str) -> list[Call]:
         """The calls of a reply still being written that no later text can change, so a stream

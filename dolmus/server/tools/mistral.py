@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 
 from dolmus.server.tools.base import Call, ToolParser, arguments_json, json_calls, partial_marker, register
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
 _DECODER = json.JSONDecoder()
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 @register
@@ -29,6 +32,10 @@ class MistralParser(ToolParser):
         if not calls:
             return text, []
         return text[:at].strip() or None, calls
+
+    def call_id(self) -> str:
+        # Mistral's chat templates refuse any other id when the call comes back in the history
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def call_start(self, text: str) -> int:
         return text.find(TOOL_CALLS)

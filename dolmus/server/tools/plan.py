@@ -41,7 +41,11 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     name: str | None = None
     structured: StructuredOutput | None = None
-    parser: ToolParser = field(default_factory=HermesParser)  # reads "auto" replies
+    parser: ToolParser = field(default_factory=HermesParser)  # reads "auto" replies, names calls
+
+    def call(self, name: str, arguments: str) -> dict[str, Any]:
+        """An OpenAI tool call, with an id in the style the model's chat template takes back."""
+        return tool_call(name, arguments, self.parser.call_id())
 
 
 def plan_tools(
@@ -81,22 +85,26 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan("required", tools, structured=StructuredOutput.json_schema(schema))
+        return ToolPlan(
+            "required", tools, structured=StructuredOutput.json_schema(schema), parser=get_tool_parser(parser)
+        )
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         if name not in by_name:
             raise APIError(
                 400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice"
             )
-        return ToolPlan("named", tools, name, StructuredOutput.json_schema(by_name[name]))
+        return ToolPlan(
+            "named", tools, name, StructuredOutput.json_schema(by_name[name]), get_tool_parser(parser)
+        )
     raise APIError(
         400, "tool_choice must be none, auto, required or {'type': 'function', ...}", param="tool_choice"
     )
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -105,7 +113,7 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
 def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) from a finished completion's text."""
     if plan.mode == "named":
-        return None, [tool_call(plan.name or "", text)]
+        return None, [plan.call(plan.name or "", text)]
     if plan.mode == "required":
         try:
             items = json.loads(text)
@@ -113,10 +121,10 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
             items = _complete_items(text)
             if not items:
                 return text, []  # not one call finished: give back the text as it is
-        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+        return None, [plan.call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
     if plan.mode == "auto":
         content, calls = plan.parser.parse(text)
-        return content, [tool_call(name, arguments) for name, arguments in calls]
+        return content, [plan.call(name, arguments) for name, arguments in calls]
     return text, []
 
 
@@ -126,11 +134,11 @@ def finished_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
     can tell under "auto"."""
     if plan.mode == "required":
         return [
-            tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+            plan.call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
             for c in _complete_items(text)
         ]
     if plan.mode == "auto":
-        return [tool_call(name, arguments) for name, arguments in plan.parser.finished_calls(text)]
+        return [plan.call(name, arguments) for name, arguments in plan.parser.finished_calls(text)]
     return []
 
 
