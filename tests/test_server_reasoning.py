@@ -118,3 +118,29 @@ def test_constrained_reply_without_a_think_block_is_content(client: openai.OpenA
         for c in ch.choices
     )
     assert streamed == msg.content
+
+
+def test_each_choice_is_split_on_its_own(client: openai.OpenAI) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=120,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        extra_body={"guided_regex": THINK},
+    )
+    whole = client.chat.completions.create(**kwargs)
+    parts: dict[int, list[str]] = {i: ["", ""] for i in range(3)}
+    chunks = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    for chunk in chunks:
+        usage = chunk.usage
+        for c in chunk.choices:
+            parts[c.index][0] += getattr(c.delta, "reasoning_content", None) or ""
+            parts[c.index][1] += c.delta.content or ""
+    assert [[c.message.reasoning_content, c.message.content] for c in whole.choices] == list(parts.values())
+    assert (
+        whole.usage.completion_tokens_details.reasoning_tokens
+        == usage.completion_tokens_details.reasoning_tokens
+    )
+    assert len({c.message.reasoning_content for c in whole.choices}) > 1  # seeded samples differ
