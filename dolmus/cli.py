@@ -384,6 +384,18 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--tiers", default=None, help="YAML file of tiers and API keys, each with a tier and quotas"
     )
     g.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=_choices(ServerConfig, "reasoning_parser"),
+        help="split <think>...</think> of chat replies into reasoning_content (vLLM's names)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        choices=_choices(ServerConfig, "tool_call_parser"),
+        help="the model's tool-call format under tool_choice auto (vLLM's names)",
+    )
     g.add_argument("--max-waiting", type=int, default=None, help="answer 429 when more requests wait")
     g.add_argument("--max-n", type=int, default=d.max_n, help="answer 400 to a request with a larger n")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="answer 413 above this size")

@@ -541,6 +541,10 @@ class ServerConfig:
     api_key: str | None = None  # also read from DOLMUS_API_KEY
     tiers: str | None = None  # a YAML file of tiers and API keys with quotas (server/access.py)
     chat_template: str | None = None  # a jinja2 file, or the template itself
+    # <think>...</think> of reasoning models to `reasoning_content` (server/openai/reasoning.py)
+    reasoning_parser: str | None = choice(None, (None, "deepseek_r1", "qwen3"))
+    # the format of tool calls in a chat reply under tool_choice "auto" (server/tools/)
+    tool_call_parser: str = choice("hermes", ("hermes", "llama3_json", "mistral", "pythonic"))
     max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
     max_n: int = 128  # most samples (`n`) one request may ask for, as OpenAI's limit
     max_body_bytes: int = 32 << 20  # 413 above this

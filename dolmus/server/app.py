@@ -139,7 +139,9 @@ class ServerState:
             self.server_config.gpu_hour_cost,
         )
         self.completions = OpenAICompletions(serving)
-        self.chat = OpenAIChat(serving)
+        self.chat = OpenAIChat(
+            serving, self.server_config.reasoning_parser, self.server_config.tool_call_parser
+        )
         self.serving = serving
         # What is loaded lives as long as the server: out of the collector's sight, a full
         # collection no longer walks it (30-150 ms pauses every few seconds held streams back).
@@ -322,7 +324,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             assert state.chat is not None
-            ids = await state.chat.render(body.messages, body.add_generation_prompt)
+            ids = await state.chat.render(
+                body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
         else:
             ids = await asyncio.to_thread(
                 serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens

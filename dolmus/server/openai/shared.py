@@ -120,7 +120,9 @@ def kv_transfer_field(outputs: list[RequestOutput]) -> dict[str, Any]:
     return {"kv_transfer_params": params} if params else {}
 
 
-def usage(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage(job: Job, outputs: list[RequestOutput], reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """The usage field; `reasoning_tokens` (under a reasoning parser) goes into
+    completion_tokens_details as OpenAI reports it for its reasoning models."""
     prompt = sum(len(ids) for ids in job.prompts)
     completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     result: dict[str, Any] = {
@@ -131,12 +133,14 @@ def usage(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
     }
     metrics = [c.metrics for out in outputs for c in out.outputs if c.metrics is not None]
     drafted = sum(m.num_draft_tokens for m in metrics)
+    details: dict[str, int] = {}
     if drafted:  # speculative decoding, in the fields OpenAI uses for predicted outputs
         accepted = sum(m.num_accepted_tokens for m in metrics)
-        result["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": drafted - accepted,
-        }
+        details = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
+    if reasoning_tokens is not None:
+        details["reasoning_tokens"] = reasoning_tokens
+    if details:
+        result["completion_tokens_details"] = details
     return result
 
 

@@ -8,7 +8,12 @@ and turning the generated text back into OpenAI `tool_calls`.
   {"name": <one of the tools>, "arguments": <its parameters>} objects (exactly one with
   `parallel_tool_calls: false`).
 - "auto" (the default when tools are given): unconstrained; calls are parsed from the
-  Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+  model's own format by the server's `--tool-call-parser` (server/tools/base.py's registry;
+  hermes by default: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks).
+
+Named and required are forced in one format-independent JSON shape whatever the parser, as
+vLLM does: the reply becomes OpenAI tool_calls either way, and one grammar per shape serves
+every model family.
 
 Output cut by max_tokens keeps finish_reason "length"; a cut "required" array still yields
 the calls finished before the cut.
@@ -19,14 +24,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dolmus.server.errors import APIError
+from dolmus.server.tools.base import ToolParser, get_tool_parser
+from dolmus.server.tools.hermes import HermesParser
 from dolmus.structured.spec import StructuredOutput
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-TOOL_CALL_OPEN = "<tool_call>"
 _SPACE = re.compile(r"\s*")
 
 
@@ -36,12 +41,18 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     name: str | None = None
     structured: StructuredOutput | None = None
+    parser: ToolParser = field(default_factory=HermesParser)  # reads "auto" replies, names calls
+
+    def call(self, name: str, arguments: str) -> dict[str, Any]:
+        """An OpenAI tool call, with an id in the style the model's chat template takes back."""
+        return tool_call(name, arguments, self.parser.call_id())
 
 
 def plan_tools(
     tools: list[dict[str, Any]] | None,
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool = True,
+    parser: str = "hermes",
 ) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none"):
@@ -60,7 +71,7 @@ def plan_tools(
         by_name[fn["name"]] = params
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, tools)
+        return ToolPlan(choice, tools, parser=get_tool_parser(parser))
     if choice == "required":
         call = [
             {
@@ -74,22 +85,26 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan("required", tools, structured=StructuredOutput.json_schema(schema))
+        return ToolPlan(
+            "required", tools, structured=StructuredOutput.json_schema(schema), parser=get_tool_parser(parser)
+        )
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         if name not in by_name:
             raise APIError(
                 400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice"
             )
-        return ToolPlan("named", tools, name, StructuredOutput.json_schema(by_name[name]))
+        return ToolPlan(
+            "named", tools, name, StructuredOutput.json_schema(by_name[name]), get_tool_parser(parser)
+        )
     raise APIError(
         400, "tool_choice must be none, auto, required or {'type': 'function', ...}", param="tool_choice"
     )
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -98,7 +113,7 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
 def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) from a finished completion's text."""
     if plan.mode == "named":
-        return None, [tool_call(plan.name or "", text)]
+        return None, [plan.call(plan.name or "", text)]
     if plan.mode == "required":
         try:
             items = json.loads(text)
@@ -106,21 +121,25 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
             items = _complete_items(text)
             if not items:
                 return text, []  # not one call finished: give back the text as it is
-        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+        return None, [plan.call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
     if plan.mode == "auto":
-        calls = []
-        for block in _TOOL_CALL.findall(text):
-            try:
-                data = json.loads(block)
-                calls.append(
-                    tool_call(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
-                )
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # not a well-formed call: it stays in the content
-        if calls:
-            content = _TOOL_CALL.sub("", text).strip()
-            return content or None, calls
+        content, calls = plan.parser.parse(text)
+        return content, [plan.call(name, arguments) for name, arguments in calls]
     return text, []
+
+
+def finished_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
+    """The calls of a reply still being written that are final already (streaming sends each
+    once it is complete): the array items closed so far under "required", and what the parser
+    can tell under "auto"."""
+    if plan.mode == "required":
+        return [
+            plan.call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+            for c in _complete_items(text)
+        ]
+    if plan.mode == "auto":
+        return [plan.call(name, arguments) for name, arguments in plan.parser.finished_calls(text)]
+    return []
 
 
 def tool_finish(finish: str | None, calls: list[dict[str, Any]]) -> str | None:
@@ -152,11 +171,3 @@ def _complete_items(text: str) -> list[dict[str, Any]]:
             break
         at = _SPACE.match(text, at + 1).end()
     return items
-
-
-def held_back(text: str) -> int:
-    """How many trailing characters may be the start of a `<tool_call>` tag (auto streaming)."""
-    for n in range(min(len(TOOL_CALL_OPEN), len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
