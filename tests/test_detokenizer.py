@@ -97,3 +97,28 @@ def test_stray_bytes_never_silence_the_stream(tok):
         detok.add_tokens([t])
         deltas.append(detok.take_delta(False))
     assert deltas == ["", "", "", "🙂"]
+
+
+def test_the_stop_token_is_in_the_ids_not_the_text(tok) -> None:
+    """A request ended by a stop token (EOS or stop_token_ids) keeps it among its token ids but
+    not in its text, even with special tokens shown, unless include_stop_str_in_output (vLLM)."""
+    from dolmus import LLM
+
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32")
+    prompt = "Once upon a time"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    ids = free.outputs[0].token_ids
+    stop_id = ids[4]
+    for special in (True, False):
+        params = SamplingParams(
+            temperature=0, max_tokens=12, stop_token_ids=[stop_id], skip_special_tokens=special, ignore_eos=True
+        )
+        out = llm.generate([prompt], params)[0].outputs[0]
+        first = ids.index(stop_id)
+        assert out.token_ids == ids[: first + 1]
+        assert out.text == tok.decode(ids[:first], skip_special_tokens=special)
+    shown = SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True, ignore_eos=True
+    )
+    out = llm.generate([prompt], shown)[0].outputs[0]
+    assert out.text == tok.decode(ids[: ids.index(stop_id) + 1], skip_special_tokens=True)

@@ -319,10 +319,19 @@ class Engine:
             if request.num_output_tokens == num_new:
                 self._prompt_tokens += request.num_prompt_tokens
             detok = group.detoks[index]
-            stop = detok.add_tokens(request.output_token_ids[-num_new:])
-            self._generation_tokens += detok.num_consumed
+            new_ids = request.output_token_ids[-num_new:]
+            # The EOS or stop token that ended a request is in its token ids but not its text
+            # (as vLLM), even where special tokens are shown, unless include_stop_str_in_output.
+            ended_by_token = (
+                request.status is RequestStatus.FINISHED_STOPPED
+                and new_ids[-1] in request.stop_token_ids
+                and not request.params.include_stop_str_in_output
+            )
+            stop = detok.add_tokens(new_ids[:-1] if ended_by_token else new_ids)
+            consumed = detok.num_consumed + (1 if ended_by_token and stop is None else 0)
+            self._generation_tokens += consumed
             if stop is not None:
-                request.drop_last_outputs(num_new - detok.num_consumed)
+                request.drop_last_outputs(num_new - consumed)
                 request.stop_reason = stop
                 if request.status.finished:  # the same token also hit a length limit
                     request.status = RequestStatus.FINISHED_STOPPED
