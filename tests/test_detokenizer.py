@@ -111,14 +111,16 @@ def test_the_stop_token_is_in_the_ids_not_the_text(tok) -> None:
     stop_id = ids[4]
     for special in (True, False):
         params = SamplingParams(
-            temperature=0, max_tokens=12, stop_token_ids=[stop_id], skip_special_tokens=special, ignore_eos=True
-        )
+            temperature=0, max_tokens=12, stop_token_ids=[stop_id], skip_special_tokens=special,
+            ignore_eos=True,
+        )  # fmt: skip
         out = llm.generate([prompt], params)[0].outputs[0]
         first = ids.index(stop_id)
         assert out.token_ids == ids[: first + 1]
         assert out.text == tok.decode(ids[:first], skip_special_tokens=special)
     shown = SamplingParams(
-        temperature=0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True, ignore_eos=True
-    )
+        temperature=0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True,
+        ignore_eos=True,
+    )  # fmt: skip
     out = llm.generate([prompt], shown)[0].outputs[0]
     assert out.text == tok.decode(ids[: ids.index(stop_id) + 1], skip_special_tokens=True)
