@@ -25,7 +25,7 @@ takes it off again (`gguf_norm_offset`), as transformers' GGUF loader does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,9 +38,9 @@ from dolmus.model_config import read_sliding_window
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.embedding import VocabParallelEmbedding
-from dolmus.runtime.layers.linear import Linear, ParallelStyle
+from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import LinearMethod
-from dolmus.runtime.layers.ops import TORCH_OPS, LayerOps
+from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.models.llama import Attention, CosSin, LlamaForCausalLM
 from dolmus.runtime.models.registry import register_architecture
@@ -186,36 +186,20 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Llama's loading, head and hooks (load_weights, capture_layers) over Gemma 3's layers."""
 
-    def __init__(
+    def build_model(
         self,
         cfg: ModelConfig,
         dtype: torch.dtype,
         method: LinearMethod,
         backend: AttentionBackend,
         max_len: int,
-        parallel: ParallelConfig = SINGLE_RANK,
-        ops: LayerOps = TORCH_OPS,
-    ) -> None:
+        parallel: ParallelConfig,
+        ops: LayerOps,
+        make_mlp: Callable[[int], nn.Module | None] | None,
+    ) -> nn.Module:
         if parallel.tp_size > 1:
             raise ValueError(f"{cfg.architecture} does not run under tensor parallelism yet")
-        nn.Module.__init__(self)  # not Llama's layers: the rest of its class applies as is
-        self.cfg = cfg
-        self.model = Gemma3Model(cfg, dtype, method, backend, max_len, ops)
-        self.lm_head = Linear(
-            cfg.hidden_size,
-            parallel.vocab(cfg.vocab_size),
-            False,
-            dtype,
-            method.head_method(),
-            style=ParallelStyle.COLUMN,
-            parallel=parallel,
-            gather_output=True,
-        )
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.weight_shared = True
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
+        return Gemma3Model(cfg, dtype, method, backend, max_len, ops)
 
     def forward(
         self,
