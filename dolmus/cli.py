@@ -428,6 +428,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=d.data_parallel_size,
         help="engine cores (model copies, each on its share of the cores or GPUs) behind this port",
     )
+    g.add_argument(
+        "--batch-dir",
+        default=None,
+        help="folder for Batch API files and jobs, resumed on restart (default: a temporary folder)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
