@@ -76,8 +76,11 @@ async def execute(target: BatchTarget, endpoint: str, body: dict[str, Any]) -> t
     return response.status_code, json.loads(response.body)
 
 
-async def run_line(target: BatchTarget, endpoint: str, line_id: str, raw: str) -> tuple[bool, dict[str, Any]]:
-    """(succeeded, the output line in OpenAI's batch format) for one input line."""
+async def run_line(
+    target: BatchTarget, endpoints: tuple[str, ...], line_id: str, raw: str
+) -> tuple[bool, dict[str, Any]]:
+    """(succeeded, the output line in OpenAI's batch format) for one input line, whose `url`
+    must be one of `endpoints` (a server batch's one; any, offline)."""
     custom_id = None
     try:
         try:
@@ -89,14 +92,14 @@ async def run_line(target: BatchTarget, endpoint: str, line_id: str, raw: str) -
         custom_id = request.get("custom_id")
         if request.get("method", "POST") != "POST":
             raise ValueError(f"method must be POST, got {request.get('method')!r}")
-        if request.get("url") != endpoint:
-            raise ValueError(f"url must be this batch's endpoint {endpoint!r}, got {request.get('url')!r}")
+        if request.get("url") not in endpoints:
+            raise ValueError(f"url must be {' or '.join(endpoints)}, got {request.get('url')!r}")
         if not isinstance(request.get("body"), dict):
             raise ValueError("body must be a JSON object")
     except ValueError as exc:
         error = {"code": "invalid_request", "message": str(exc)}
         return False, {"id": line_id, "custom_id": custom_id, "response": None, "error": error}
-    status, body = await execute(target, endpoint, request["body"])
+    status, body = await execute(target, request["url"], request["body"])
     response = {"status_code": status, "request_id": body.get("id", line_id), "body": body}
     return status == 200, {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
 
@@ -185,7 +188,7 @@ class BatchRunner:
 
         async def one(line_id: str, raw: str) -> None:
             try:
-                ok, line = await run_line(target, batch["endpoint"], line_id, raw)
+                ok, line = await run_line(target, (batch["endpoint"],), line_id, raw)
                 self.store.append_lines(out_id if ok else err_id, [line])
                 batch["request_counts"]["completed" if ok else "failed"] += 1
             finally:
