@@ -130,7 +130,14 @@ class BatchRunner:
 
     def start(self, batch: dict[str, Any]) -> None:
         self._live[batch["id"]] = batch
-        self._tasks[batch["id"]] = asyncio.create_task(self._run(batch))
+        task = self._tasks[batch["id"]] = asyncio.create_task(self._run(batch))
+
+        def ended(_: asyncio.Task[None]) -> None:
+            # here, not in _run: a task cancelled before its first step never runs its body
+            if batch["status"] == "cancelling":
+                self._finish(batch, "cancelled")
+
+        task.add_done_callback(ended)
 
     def resume_all(self) -> None:
         """Pick up the jobs a stopped server left unfinished (their done lines stay done)."""
@@ -142,17 +149,17 @@ class BatchRunner:
                 self._finish(batch, "cancelled")
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = self.batch(batch_id)
+        live = self._live.get(batch_id)  # the running job's own record, changed in place
+        batch = live if live is not None else self.store.batch(batch_id)
         if batch["status"] not in ("validating", "in_progress", "finalizing"):
-            return batch
+            return dict(batch)
         batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
         self.store.save_batch(batch)
         task = self._tasks.get(batch_id)
-        if task is None:
+        if task is None or task.done():
             self._finish(batch, "cancelled")
         else:
-            self._live[batch_id] = batch
-            task.cancel()
+            task.cancel()  # `ended` records it as cancelled once its requests are aborted
         return dict(batch)
 
     async def close(self) -> None:
@@ -208,10 +215,8 @@ class BatchRunner:
                 await asyncio.gather(*running)
             batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
             self._finish(batch, "completed")
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # cancelled, or the server is stopping
             await _cancel_all(running)
-            if batch["status"] == "cancelling":
-                self._finish(batch, "cancelled")
             raise
         except APIError as exc:  # 503: the engine stopped; the job resumes with the next server
             await _cancel_all(running)
