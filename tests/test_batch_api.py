@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from server_helpers import RemoteServer
@@ -148,7 +149,7 @@ def test_bad_batches_are_refused(client: openai.OpenAI) -> None:
 def test_cancel_stops_the_job(client: openai.OpenAI) -> None:
     lines = [chat_line(f"c{i}", f"Story {i}", max_tokens=200, ignore_eos=True) for i in range(64)]
     batch = submit(client, lines)
-    cancelled = client.batches.cancel(batch.id)
+    cancelled = client.batches.cancel(batch.id)  # before its task has run a step
     assert cancelled.status in ("cancelling", "cancelled")
     batch = wait_done(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
@@ -156,6 +157,25 @@ def test_cancel_stops_the_job(client: openai.OpenAI) -> None:
     assert counts.completed + counts.failed < counts.total == 64
     assert len(read_lines(client, batch.output_file_id)) == counts.completed
     assert client.batches.cancel(batch.id).status == "cancelled"  # a finished job stays as it is
+
+
+def test_batch_runs_in_the_least_urgent_tier_and_cancel_aborts(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    lines = [chat_line(f"t{i}", f"Story {i}", max_tokens=200, ignore_eos=True) for i in range(64)]
+    batch = submit(client, lines)
+    deadline = time.monotonic() + 30
+    rows: list[dict[str, Any]] = []
+    while not rows and time.monotonic() < deadline:
+        rows = httpx.get(f"{server.url}/requests").json()["data"]
+    assert rows and {r["tier"] for r in rows} == {"batch"}
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    batch = wait_done(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.completed < 64
+    deadline = time.monotonic() + 30
+    while rows and time.monotonic() < deadline:  # the in-flight lines were aborted in the engine
+        rows = httpx.get(f"{server.url}/requests").json()["data"]
+    assert rows == []
 
 
 def test_unfinished_job_resumes_after_restart(tmp_path: Path) -> None:
