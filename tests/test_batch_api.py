@@ -14,6 +14,7 @@ import pytest
 from server_helpers import RemoteServer
 
 from dolmus.cli import main
+from dolmus.server.openai.batch_store import BatchStore
 
 MODEL = "stories260k"
 CHAT = "/v1/chat/completions"
@@ -224,3 +225,17 @@ def test_run_batch_offline_matches_the_server(tmp_path: Path, client: openai.Ope
         )
     direct = client.completions.create(**completion["body"])
     assert answered[3]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+
+
+def test_store_drops_a_line_cut_short_by_a_crash(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    file_id = store.new_output_file("out.jsonl")
+    store.append_lines(file_id, [{"id": "a"}, {"id": "b"}])
+    with open(store.data_path(file_id), "a") as f:
+        f.write('{"id": "c", "custom_')  # the server died mid-write
+    assert store.done_line_ids(file_id) == {"a", "b"}
+    store.append_lines(file_id, [{"id": "c"}])
+    assert store.done_line_ids(file_id) == {"a", "b", "c"}
+    assert store.file(file_id)["bytes"] == len(store.data_path(file_id).read_bytes())
+    with pytest.raises(KeyError):
+        store.file("../batches")

@@ -183,8 +183,10 @@ class BatchRunner:
     async def _run(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
         out_id, err_id = batch["_output"], batch["_errors"]
-        done_ok, done_failed = self.store.done_line_ids(out_id), self.store.done_line_ids(err_id)
-        lines = input_lines(self.store, batch["input_file_id"])
+        # file work off the event loop: it serves HTTP (and, with --engine-core thread, steps)
+        done_ok = await asyncio.to_thread(self.store.done_line_ids, out_id)
+        done_failed = await asyncio.to_thread(self.store.done_line_ids, err_id)
+        lines = await asyncio.to_thread(input_lines, self.store, batch["input_file_id"])
         batch["request_counts"] = {"total": len(lines), "completed": len(done_ok), "failed": len(done_failed)}
         if batch["status"] == "validating":
             batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
@@ -192,11 +194,13 @@ class BatchRunner:
         target = self._target()
         slots = asyncio.Semaphore(target.max_in_flight)
         running: set[asyncio.Task[None]] = set()
+        appending = asyncio.Lock()  # one writer per file at a time: lines never interleave
 
         async def one(line_id: str, raw: str) -> None:
             try:
                 ok, line = await run_line(target, (batch["endpoint"],), line_id, raw)
-                self.store.append_lines(out_id if ok else err_id, [line])
+                async with appending:
+                    await asyncio.to_thread(self.store.append_lines, out_id if ok else err_id, [line])
                 batch["request_counts"]["completed" if ok else "failed"] += 1
             finally:
                 slots.release()
