@@ -58,7 +58,10 @@ def submit(client: openai.OpenAI, lines: list[Any], endpoint: str = CHAT) -> Any
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with RemoteServer("--engine-core", "thread", log=log) as srv:
+    # --max-waiting 2: batch jobs keep at most one line in the engine, so an interactive request
+    # always finds room (the engine has a seat more than that)
+    args = ("--engine-core", "thread", "--max-waiting", "2", "--max-num-seqs", "2")
+    with RemoteServer(*args, log=log) as srv:
         yield srv
 
 
@@ -177,6 +180,25 @@ def test_batch_runs_in_the_least_urgent_tier_and_cancel_aborts(
     while rows and time.monotonic() < deadline:  # the in-flight lines were aborted in the engine
         rows = httpx.get(f"{server.url}/requests").json()["data"]
     assert rows == []
+
+
+def test_jobs_leave_room_for_interactive_requests(client: openai.OpenAI) -> None:
+    jobs = [
+        submit(client, [chat_line(f"i{i}", f"Story {i}", max_tokens=120, ignore_eos=True) for i in range(6)])
+        for _ in range(2)
+    ]
+    answered = 0
+    while any(client.batches.retrieve(b.id).status not in DONE for b in jobs):  # never a 429 meanwhile
+        client.chat.completions.create(**chat_line("x", "Hi", max_tokens=4)["body"])
+        answered += 1
+    assert answered >= 1
+    for b in jobs:
+        batch = wait_done(client, b.id)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == (
+            "completed",
+            6,
+            0,
+        )
 
 
 def test_unfinished_job_resumes_after_restart(tmp_path: Path) -> None:

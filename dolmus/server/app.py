@@ -88,10 +88,15 @@ class ServerState:
         self.on_load_failure: Callable[[], None] | None = None
 
     def _batch_target(self) -> BatchTarget:
-        """Batch lines run at the least urgent tier's priority, at most max_num_seqs per job."""
+        """Batch lines run at the least urgent tier's priority, at most max_num_seqs of them at
+        once, and under --max-waiting at most half of it, so batch jobs never fill the waiting
+        room that interactive requests are refused (429) beyond."""
         assert self.chat is not None and self.completions is not None
         lowest = max(t.priority for t in self.access.tiers.values())
-        return BatchTarget(self.chat, self.completions, lowest, self.engine_config.max_num_seqs)
+        bound = self.engine_config.max_num_seqs
+        if self.server_config.max_waiting is not None:
+            bound = min(bound, max(1, self.server_config.max_waiting // 2))
+        return BatchTarget(self.chat, self.completions, lowest, bound)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         """Latency metrics of a finished request, overall, under its tier and its key's app."""

@@ -3,8 +3,9 @@
 A line is parsed into the endpoint's pydantic body and handed to OpenAIChat / OpenAICompletions
 `create` (no client connection to watch), so a batch line is checked, admitted and answered
 exactly as the same body sent to /v1/chat/completions would be. Every request of a batch runs at
-the least urgent priority of the server's tiers, so interactive traffic goes first; each job keeps
-at most `max_in_flight` lines in the engine, so a 50 000-line file never floods the queue.
+the least urgent priority of the server's tiers, so interactive traffic goes first; all jobs
+together keep at most `max_in_flight` lines in the engine, so neither a 50 000-line file nor many
+jobs at once flood the queue.
 
 A line that cannot run (not JSON, another endpoint, a body the endpoint refuses) becomes a line
 of the job's error file and counts as failed; the job itself goes on. A full waiting queue (429)
@@ -44,7 +45,7 @@ class BatchTarget:
     chat: OpenAIChat
     completions: OpenAICompletions
     priority: int  # the least urgent tier's
-    max_in_flight: int
+    max_in_flight: int  # lines of all jobs in the engine at once
 
 
 async def execute(target: BatchTarget, endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -123,6 +124,7 @@ class BatchRunner:
         self._target = target
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._live: dict[str, dict[str, Any]] = {}  # the record of each running job, counts current
+        self._slots: asyncio.Semaphore | None = None  # shared by every job, made with the first
 
     def batch(self, batch_id: str) -> dict[str, Any]:
         live = self._live.get(batch_id)
@@ -192,7 +194,9 @@ class BatchRunner:
             batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
         self.store.save_batch(batch)
         target = self._target()
-        slots = asyncio.Semaphore(target.max_in_flight)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(target.max_in_flight)
+        slots = self._slots
         running: set[asyncio.Task[None]] = set()
         appending = asyncio.Lock()  # one writer per file at a time: lines never interleave
 
