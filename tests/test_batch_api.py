@@ -60,7 +60,16 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     # --max-waiting 2: batch jobs keep at most one line in the engine, so an interactive request
     # always finds room (the engine has a seat more than that)
-    args = ("--engine-core", "thread", "--max-waiting", "2", "--max-num-seqs", "2")
+    args = (
+        "--engine-core",
+        "thread",
+        "--max-waiting",
+        "2",
+        "--max-num-seqs",
+        "2",
+        "--max-body-bytes",
+        "262144",
+    )
     with RemoteServer(*args, log=log) as srv:
         yield srv
 
@@ -148,6 +157,13 @@ def test_bad_batches_are_refused(client: openai.OpenAI) -> None:
         )
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError, match="at most 50000"):
+        client.files.create(file=("in.jsonl", b"{}\n" * 50_001), purpose="batch")
+    with pytest.raises(openai.APIStatusError, match="--max-body-bytes") as too_large:
+        client.files.create(file=("in.jsonl", b"{}\n" * 100_000), purpose="batch")
+    assert too_large.value.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("in.jsonl", b"{}\n"), purpose="fine-tune")
 
 
 def test_cancel_stops_the_job(client: openai.OpenAI) -> None:
