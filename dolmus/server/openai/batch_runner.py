@@ -201,13 +201,17 @@ class BatchRunner:
         appending = asyncio.Lock()  # one writer per file at a time: lines never interleave
 
         async def one(line_id: str, raw: str) -> None:
-            try:
-                ok, line = await run_line(target, (batch["endpoint"],), line_id, raw)
-                async with appending:
-                    await asyncio.to_thread(self.store.append_lines, out_id if ok else err_id, [line])
+            ok, line = await run_line(target, (batch["endpoint"],), line_id, raw)
+            async with appending:
                 batch["request_counts"]["completed" if ok else "failed"] += 1
-            finally:
-                slots.release()
+                write = asyncio.ensure_future(
+                    asyncio.to_thread(self.store.append_lines, out_id if ok else err_id, [line])
+                )
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:  # a counted line is written before the job stops
+                    await write
+                    raise
 
         stem = batch_id.removeprefix("batch_")
         try:
@@ -219,6 +223,8 @@ class BatchRunner:
                 task = asyncio.create_task(one(line_id, raw))
                 running.add(task)
                 task.add_done_callback(running.discard)
+                # on the task, not in `one`: a line cancelled before it started gives its slot back too
+                task.add_done_callback(lambda _: slots.release())
             while running:
                 await asyncio.gather(*running)
             batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
