@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -335,6 +336,22 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config, server_config)
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    from dolmus.entrypoints.run_batch import run_batch_file
+
+    try:
+        engine_config = engine_config_from_args(args)
+        template = ServerConfig(chat_template=args.chat_template).load_chat_template()
+        ok, failed = asyncio.run(
+            run_batch_file(engine_config, args.input, args.output, args.served_model_name, template)
+        )
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{ok} requests succeeded, {failed} failed; output in {args.output}", file=sys.stderr)
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     from dolmus.executor.remote_node import run_node
 
@@ -428,6 +445,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=d.data_parallel_size,
         help="engine cores (model copies, each on its share of the cores or GPUs) behind this port",
     )
+    g.add_argument(
+        "--batch-dir",
+        default=None,
+        help="folder for Batch API files and jobs, resumed on restart (default: a temporary folder)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,6 +471,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
+
+    batch = sub.add_parser("run-batch", help="answer a Batch API JSONL file offline (OpenAI's/vLLM's format)")
+    batch.add_argument("-i", "--input", required=True, help="JSONL of {custom_id, method, url, body} lines")
+    batch.add_argument("-o", "--output", required=True, help="JSONL of the answers, in input order")
+    batch.add_argument("--served-model-name", default=None, help="the model name lines may give")
+    batch.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the text")
+    add_engine_args(batch)
+    batch.set_defaults(func=_run_batch)
 
     worker = sub.add_parser(
         "worker",

@@ -566,6 +566,9 @@ class ServerConfig:
     # Data parallelism: this many engine cores (each a model copy pinned to its share of the
     # host's cores or GPUs) behind this one API port; requests placed by cached prefix, then load.
     data_parallel_size: int = 1
+    # Files and jobs of the Batch API (server/openai/batches.py); None: a temporary folder
+    # removed at exit, so unfinished jobs do not survive a restart.
+    batch_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

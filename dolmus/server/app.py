@@ -12,6 +12,8 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +37,9 @@ from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.live_stats import LiveStats
 from dolmus.server.model_names import ModelNames
 from dolmus.server.ollama.routes import OllamaAPI, add_ollama_routes
+from dolmus.server.openai.batch_runner import BatchRunner, BatchTarget
+from dolmus.server.openai.batch_store import BatchStore
+from dolmus.server.openai.batches import add_batch_routes
 from dolmus.server.openai.chat import OpenAIChat
 from dolmus.server.openai.completions import OpenAICompletions
 from dolmus.server.protocol import (
@@ -77,7 +82,21 @@ class ServerState:
         self.live: LiveStats | None = None
         self._sampler: asyncio.Task[None] | None = None
         self.load_error: BaseException | None = None
+        self._batch_tmp = None if server_config.batch_dir else tempfile.mkdtemp(prefix="dolmus-batch-")
+        self.batch_store = BatchStore(server_config.batch_dir or self._batch_tmp)
+        self.batches = BatchRunner(self.batch_store, self._batch_target)
         self.on_load_failure: Callable[[], None] | None = None
+
+    def _batch_target(self) -> BatchTarget:
+        """Batch lines run at the least urgent tier's priority, at most max_num_seqs of them at
+        once, and under --max-waiting at most half of it, so batch jobs never fill the waiting
+        room that interactive requests are refused (429) beyond."""
+        assert self.chat is not None and self.completions is not None
+        lowest = max(t.priority for t in self.access.tiers.values())
+        bound = self.engine_config.max_num_seqs
+        if self.server_config.max_waiting is not None:
+            bound = min(bound, max(1, self.server_config.max_waiting // 2))
+        return BatchTarget(self.chat, self.completions, lowest, bound)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         """Latency metrics of a finished request, overall, under its tier and its key's app."""
@@ -143,6 +162,9 @@ class ServerState:
             serving, self.server_config.reasoning_parser, self.server_config.tool_call_parser
         )
         self.serving = serving
+        if self._batch_tmp is not None:
+            logger.info("batch files in %s, removed at exit (--batch-dir keeps them)", self._batch_tmp)
+        self.batches.resume_all()
         # What is loaded lives as long as the server: out of the collector's sight, a full
         # collection no longer walks it (30-150 ms pauses every few seconds held streams back).
         gc.collect()
@@ -152,6 +174,9 @@ class ServerState:
         )
 
     async def close(self) -> None:
+        await self.batches.close()  # jobs stop where they are; with --batch-dir they resume
+        if self._batch_tmp is not None:
+            shutil.rmtree(self._batch_tmp, ignore_errors=True)
         if self._sampler is not None:
             self._sampler.cancel()
         if self.engine is not None:
@@ -219,7 +244,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(server_config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Priority"],
             max_age=600,
         )
@@ -236,6 +261,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         return client, _priority(state.access, client, None, header)
 
     add_ollama_routes(app, state, identify)
+    add_batch_routes(app, state.batch_store, state.batches, state.ready)
 
     @app.get("/metrics")
     async def metrics() -> Response:

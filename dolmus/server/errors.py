@@ -88,13 +88,10 @@ def install_handlers(app: FastAPI) -> None:
         path = request.url.path
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
             return error_response(APIError(400, message, code="invalid_json"), path)
-        param = ".".join(loc) or None
-        message = "; ".join(_describe(e) for e in errors) or "invalid request"
-        return error_response(APIError(400, message, param=param, code="invalid_value"), path)
+        return error_response(validation_error(errors), path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -105,6 +102,15 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {exc!r}"), request.url.path)
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """A body's pydantic validation errors as one 400 naming the first bad field (the batch
+    runner words its per-line errors with this too)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = "; ".join(_describe(e) for e in errors) or "invalid request"
+    return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -340,8 +340,10 @@ class Serving:
             for t in tasks:
                 t.cancel()
 
-    async def collect(self, job: Job, raw: Request) -> list[RequestOutput] | None:
-        """Final outputs of every prompt, or None if the client went away first (aborted)."""
+    async def collect(self, job: Job, raw: Request | None) -> list[RequestOutput] | None:
+        """Final outputs of every prompt, or None if the client went away first (aborted).
+
+        `raw` None: no client connection to watch (a batch line; cancelling the task aborts)."""
 
         seen: dict[int, RequestOutput] = {}
 
@@ -352,7 +354,7 @@ class Serving:
             return seen[p]
 
         tasks = [asyncio.create_task(last_of(p, g)) for p, g in enumerate(self._generators(job))]
-        watcher = asyncio.create_task(_wait_disconnect(raw))
+        watcher = asyncio.create_task(_wait_disconnect(raw) if raw is not None else asyncio.Event().wait())
         try:
             pending: set[asyncio.Task[Any]] = {*tasks, watcher}
             while not all(t.done() for t in tasks):

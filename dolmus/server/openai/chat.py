@@ -57,7 +57,7 @@ class OpenAIChat:
         return sum(len(tokenizer.encode(r, add_special_tokens=False)) for r in reasoning if r)
 
     async def create(
-        self, body: ChatCompletionRequest, priority: int, raw: Request, client: Client | None = None
+        self, body: ChatCompletionRequest, priority: int, raw: Request | None, client: Client | None = None
     ) -> Any:
         serving = self.serving
         serving.check_model(body.model)

@@ -33,7 +33,7 @@ class OpenAICompletions:
         self.serving = serving
 
     async def create(
-        self, body: CompletionRequest, priority: int, raw: Request, client: Client | None = None
+        self, body: CompletionRequest, priority: int, raw: Request | None, client: Client | None = None
     ) -> Any:
         serving = self.serving
         serving.check_model(body.model)
