@@ -37,6 +37,7 @@ from dolmus.server.model_names import ModelNames
 from dolmus.server.ollama.routes import OllamaAPI, add_ollama_routes
 from dolmus.server.openai.chat import OpenAIChat
 from dolmus.server.openai.completions import OpenAICompletions
+from dolmus.server.openai.embeddings import EmbeddingRequest, OpenAIEmbeddings
 from dolmus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -70,6 +71,7 @@ class ServerState:
         self.engine_config = engine_config
         self.engine: AsyncEngine | EngineCoreClient | DataParallelClient | None = None
         self.serving: Serving | None = None
+        self.embeddings: OpenAIEmbeddings | None = None
         self.completions: OpenAICompletions | None = None  # the API modules, over `serving`
         self.chat: OpenAIChat | None = None
         self.ollama: OllamaAPI | None = None  # Ollama's API (/api/...), made on its first request
@@ -139,6 +141,7 @@ class ServerState:
             self.server_config.gpu_hour_cost,
         )
         self.completions = OpenAICompletions(serving)
+        self.embeddings = OpenAIEmbeddings(serving, self.server_config.pooling)
         self.chat = OpenAIChat(
             serving, self.server_config.reasoning_parser, self.server_config.tool_call_parser
         )
@@ -307,6 +310,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         state.ready()
         assert state.completions is not None
         return await state.completions.create(body, priority, raw, client)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        client = _client(raw)
+        priority = _priority(state.access, client, body.priority, x_priority)
+        state.ready()
+        assert state.embeddings is not None
+        return await state.embeddings.create(body, priority, raw, client)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
