@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dolmus.config import EngineConfig
 from dolmus.engine.engine import Engine
+from dolmus.entrypoints.llm import LLM
 from dolmus.pooling_params import PoolingParams
 from dolmus.sampling_params import SamplingParams
 
@@ -90,9 +91,10 @@ def test_matches_transformers(oai: openai.OpenAI, reference, pooling: str) -> No
 
 def test_token_ids_dimensions_and_formats(server: RemoteServer, oai: openai.OpenAI, reference) -> None:
     ids = reference.tokenizer.encode(TEXTS[1])
-    r = oai.embeddings.create(model="llama", input=[ids, ids[:5]])
+    r = oai.embeddings.create(model="llama", input=[ids, ids[:5], ids[:1]])  # one token: a decode row
     _close(r.data[0].embedding, reference(ids))
     _close(r.data[1].embedding, reference(ids[:5]))
+    _close(r.data[2].embedding, reference(ids[:1]))
     r = oai.embeddings.create(model="llama", input=ids)  # one list of ids is one input
     assert len(r.data) == 1
     # dimensions: the first d components, renormalized
@@ -227,6 +229,14 @@ def test_engine_chunked_equals_unchunked_with_preemption(llama_dir) -> None:
             engine.shutdown()
 
     whole, _ = run(max_num_batched_tokens=1024)
+    llm = LLM(model=str(llama_dir), dtype="float32")  # the Python API: same vectors
+    try:
+        for p, sp in params.items():
+            got = llm.embed([ids, ids[1:]], sp.pooling)
+            want = [whole[f"{p}00"], whole[f"{p}01"]]
+            assert np.abs(np.asarray(got) - np.asarray(want)).max() < TOL
+    finally:
+        llm.engine.shutdown()
     chunked, _ = run(max_num_batched_tokens=16)
     # one seat: each urgent request preempts a less urgent one mid-prompt
     tight, preemptions = run(max_num_batched_tokens=64, max_num_seqs=1)
