@@ -362,9 +362,7 @@ class Scheduler:
                 request.num_computed_tokens += item.num_new_tokens
             vector = result.embeddings.get(request.request_id)
             if vector is not None:  # an embedding request's prompt is done: it ends here
-                request.embedding = vector
-                if request.timings.first_token is None:
-                    request.timings.first_token = now
+                request.embedding = vector  # no first token: TTFT stays a generation metric
                 self.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                 updated.append((request, 0))
             elif tokens:
