@@ -246,3 +246,23 @@ def test_engine_chunked_equals_unchunked_with_preemption(llama_dir) -> None:
         assert vec is not None
         assert np.abs(np.asarray(chunked[rid]) - np.asarray(vec)).max() < TOL, rid
         assert np.abs(np.asarray(tight[rid]) - np.asarray(vec)).max() < TOL, rid
+
+
+def test_engine_speculative_decoding_leaves_embeddings_alone(llama_dir) -> None:
+    """Under n-gram drafting, a prompt whose last chunk is one token (what a decode looks like)
+    gets no drafts: its vector is its prompt's, next to a generating request that drafts."""
+    ids = [5, 6, 7, 8] * 8 + [5]  # 33 tokens: chunks of 16, 16 and 1; the n-gram would match
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    plain = LLM(model=str(llama_dir), dtype="float32", max_num_batched_tokens=16)
+    drafted = LLM(model=str(llama_dir), dtype="float32", max_num_batched_tokens=16, speculative_config=spec)
+    try:
+        generate = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for pooling in ("last", "mean"):
+            want = plain.embed([ids], PoolingParams(pooling))[0]
+            outs = drafted.generate([ids, ids], [SamplingParams(pooling=PoolingParams(pooling)), generate])
+            assert np.abs(np.asarray(outs[0].embedding) - np.asarray(want)).max() < TOL
+            assert outs[1].outputs[0].token_ids == plain.generate([ids], generate)[0].outputs[0].token_ids
+        assert drafted.engine.stats().spec_num_draft_tokens > 0
+    finally:
+        plain.engine.shutdown()
+        drafted.engine.shutdown()
