@@ -134,6 +134,9 @@ def test_bad_input(server: RemoteServer) -> None:
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "a", "model": "nope"}, "nope"),
     ]
+    # nothing is generated, so an input may fill the whole context
+    r = httpx.post(url, json={"model": "llama", "input": [7] * 1024}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1024
     for body, word in bad:
         r = httpx.post(url, json={"model": "llama", **body}, timeout=60)
         assert r.status_code in (400, 404, 422), (body, r.status_code)
