@@ -415,6 +415,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-waiting", type=int, default=None, help="answer 429 when more requests wait")
     g.add_argument("--max-n", type=int, default=d.max_n, help="answer 400 to a request with a larger n")
+    g.add_argument(
+        "--pooling",
+        default=d.pooling,
+        choices=_choices(ServerConfig, "pooling"),
+        help="embeddings' default pooling of final hidden states: the last token's, or the mean",
+    )
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="answer 413 above this size")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
     g.add_argument(

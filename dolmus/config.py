@@ -547,6 +547,8 @@ class ServerConfig:
     tool_call_parser: str = choice("hermes", ("hermes", "llama3_json", "mistral", "pythonic"))
     max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
     max_n: int = 128  # most samples (`n`) one request may ask for, as OpenAI's limit
+    # /v1/embeddings' and /api/embed's default pooling of final hidden states (pooling_params.py)
+    pooling: str = choice("last", ("last", "mean"))
     max_body_bytes: int = 32 << 20  # 413 above this
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token

@@ -49,6 +49,7 @@ class RequestOutput:
     # A prefill worker's answer to {"do_remote_decode": true}: where a decode worker fetches
     # the prompt's KV (vLLM's kv_transfer_params); None otherwise.
     kv_transfer_params: dict[str, Any] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector, once finished
 
     @property
     def metrics(self) -> RequestMetrics | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dolmus.pooling_params import PoolingParams
 from dolmus.structured.spec import StructuredOutput
 
 _GREEDY_EPS = 1e-5
@@ -37,6 +38,9 @@ class SamplingParams:
     # worker to keep the prompt's KV for a decode worker; the prefill response's params (with
     # "do_remote_prefill": true and the worker's address) make a decode worker fetch it.
     kv_transfer_params: dict[str, Any] | None = None
+    # An embedding request (pooling_params.py): pools the prompt's final hidden states into a
+    # vector and finishes when its prompt is done, sampling nothing (max_tokens is unused).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +89,8 @@ class SamplingParams:
             # The grammar may allow nothing but EOS while min_tokens forbids it.
             raise bad("min_tokens", "cannot be combined with structured output")
         self._validate_kv_transfer_params()
+        if self.pooling is not None and (self.n != 1 or self.structured_output is not None):
+            raise ValueError("an embedding request (pooling) takes n=1 and no structured output")
 
     def _validate_kv_transfer_params(self) -> None:
         params = self.kv_transfer_params

@@ -118,6 +118,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct):
     sampled: dict[str, list[int]] = {}  # requests whose chunk reached its end
     logprobs: dict[str, list[TokenLogprobs]] = {}  # where asked, one per token
+    # Embedding requests whose prompt is done: the pooled vector (float32 values), no token.
+    embeddings: dict[str, list[float]] = {}
     # Per request of the plan's loads: how many of its blocks, from the first, every rank
     # loaded and verified (the rest stay to be computed).
     kv_loaded: dict[str, int] = {}

@@ -74,8 +74,8 @@ class DraftPlanner:
             if budget <= 0:
                 break
             r = item.request
-            if item.num_new_tokens != 1 or not item.samples:
-                continue
+            if item.num_new_tokens != 1 or not item.samples or r.params.pooling is not None:
+                continue  # not a decode (an embedding's last prompt token samples nothing)
             if r.grammar is not None and self.proposer.drafts_in_runner:
                 continue  # its grammar can check drafts only here, before they exist
             room = min(

@@ -209,7 +209,8 @@ class Engine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_text, prompt_ids = self._tokenize(prompt)
-        room = self.max_model_len - len(prompt_ids)
+        # An embedding generates nothing: its prompt may fill the whole context.
+        room = self.max_model_len - len(prompt_ids) + (params.pooling is not None)
         if room < 1:
             raise ValueError(
                 f"prompt is {len(prompt_ids)} tokens, which leaves no room to generate within "
@@ -316,6 +317,11 @@ class Engine:
             if group is None:
                 continue
             index = group.children.index(request) if len(group.children) > 1 else 0
+            if request.embedding is not None:  # an embedding: no tokens, no text
+                self._prompt_tokens += request.num_prompt_tokens
+                self._count_finished(request)
+                touched[group_id] = group
+                continue
             if request.num_output_tokens == num_new:
                 self._prompt_tokens += request.num_prompt_tokens
             detok = group.detoks[index]
@@ -498,6 +504,7 @@ class Engine:
             finished=all(c.status.finished for c in group.children),
             num_cached_tokens=max(first.num_cached_tokens, 0),
             kv_transfer_params=first.kv_transfer_out,
+            embedding=first.embedding,
         )
 
     # -- scoring --------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's, once it is known
+    embedding: list[float] | None = None  # an embedding request's vector (its one delta)
 
 
 class DeltaMaker:
@@ -80,6 +81,7 @@ class DeltaMaker:
             out.prompt if first else None,
             out.prompt_token_ids if first else None,
             out.kv_transfer_params,
+            out.embedding,
         )
 
     def forget(self, request_id: str) -> None:
@@ -149,6 +151,7 @@ class OutputAssembler:
             delta.finished,
             delta.num_cached_tokens,
             delta.kv_transfer_params,
+            delta.embedding,
         )
 
     def forget(self, request_id: str) -> None:

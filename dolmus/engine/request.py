@@ -110,6 +110,7 @@ class Request:
         # and what a prefill worker's response tells the decode worker (kv_transfer_params).
         self.computed_before_preemption = 0
         self.kv_transfer_out: dict | None = None
+        self.embedding: list[float] | None = None  # an embedding request's vector, when done
 
     @property
     def num_tokens(self) -> int:

@@ -274,11 +274,14 @@ class Scheduler:
         otherwise say which was short."""
         if len(self.running) >= self.max_num_seqs:
             return SEATS
-        cached = self.kv.find_cached_prefix(request)
+        pooling = request.params.pooling
+        # Mean pooling needs every prompt position's hidden state: no cached or loaded prefix.
+        every = pooling is not None and pooling.needs_every_position
+        cached = [] if every else self.kv.find_cached_prefix(request)
         load = None
         # Not on top of blocks another request writes in this step: a load must never have to
         # be undone (a preempted writer takes its sharers along).
-        if self.connector is not None and not self.kv.has_fresh(cached):
+        if self.connector is not None and not every and not self.kv.has_fresh(cached):
             load = self.connector.match(request, len(cached))
         if load is not None:
             if not self.kv.allocate(request, load.num_tokens, cached, publish=False):
@@ -357,7 +360,12 @@ class Scheduler:
                 self.drafts.count_acceptance(item, len(tokens) - 1 if tokens else 0)
             else:
                 request.num_computed_tokens += item.num_new_tokens
-            if tokens:
+            vector = result.embeddings.get(request.request_id)
+            if vector is not None:  # an embedding request's prompt is done: it ends here
+                request.embedding = vector  # no first token: TTFT stays a generation metric
+                self.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                updated.append((request, 0))
+            elif tokens:
                 logprobs = result.logprobs.get(request.request_id)
                 updated.append((request, self._append(request, tokens, logprobs, now)))
         return updated

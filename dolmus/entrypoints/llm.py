@@ -10,6 +10,7 @@ from dolmus.config import EngineConfig
 from dolmus.engine.engine import Engine
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.outputs import RequestOutput
+from dolmus.pooling_params import PoolingParams
 from dolmus.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -63,6 +64,15 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """One vector per prompt: its final hidden states pooled (last token, normalized by
+        default; pooling_params.py), batched through the scheduler like any prompt."""
+        params = SamplingParams(max_tokens=1, pooling=pooling or PoolingParams())
+        outputs = self.generate(prompts, params)
+        return [out.embedding or [] for out in outputs]
 
     def chat(
         self,

@@ -36,6 +36,7 @@ from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.models.llama_decode import FusedDecoder
+from dolmus.runtime.pooler import Pooler
 from dolmus.runtime.sampler import Sampler, SamplingRow
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
@@ -207,6 +208,7 @@ class ModelRunner:
         self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.sequences: dict[str, _Sequence] = {}
+        self.pooler = Pooler()  # embedding requests' running sums (runtime/pooler.py)
         pools = list(self.kv_caches)  # every pool that shares the block ids moves with a block
         pools += self.drafter.kv_caches if self.drafter is not None else []
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
@@ -297,6 +299,7 @@ class ModelRunner:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
             self._free_rows.append(seq.row)
+        self.pooler.forget(request_id)
         for extra in (self.drafter, self.eagle, self.medusa):
             if extra is not None:
                 extra.forget(request_id)
@@ -375,14 +378,16 @@ class ModelRunner:
             offset += n
         # where each request's positions start, for the EAGLE head's catch-up after sampling
         first_position = {rid: seq.num_computed_tokens for rid, seq, _ in scheduled} if self.eagle else {}
+        # Embedding requests: pooled from the final hidden states; they never sample.
+        embeddings = self.pooler.step(scheduled, rows_of, hidden)
         sample_index, rows, ids = [], [], []
         grammar_rows: dict[str, int] = {}  # a request's first row; its drafted positions follow
         for i, rid in enumerate(plan.grammar_request_ids):
             grammar_rows.setdefault(rid, i)
         for rid, seq, n in scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens != len(seq.token_ids):
-                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
+            if seq.num_computed_tokens != len(seq.token_ids) or seq.params.pooling is not None:
+                continue  # a prefill chunk short of the prompt's end, or an embedding: no sample
             k = len(drafts.get(rid, ()))
             window = rows_of[rid][-(k + 1) :]
             # Every drafted position is sampled as if its drafts were the request's own tokens.
@@ -393,14 +398,14 @@ class ModelRunner:
                 rows.append(self._sampling_row(seq, grammar_row, len(seq.token_ids) - k + i))
                 ids.append(rid)
         if not rows:
-            return StepResult()
+            return StepResult(embeddings=embeddings)
         index = torch.tensor(sample_index, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         bitmask = None
         if plan.grammar_bitmask is not None:
             words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32)
             bitmask = words.view(len(plan.grammar_request_ids), -1)
-        result = StepResult()
+        result = StepResult(embeddings=embeddings)
         # Windows of drafts sampled from the draft model's distribution are verified by
         # rejection sampling; every other row is sampled, and its drafts checked against that.
         sampled_drafts = self._draft_probs

@@ -42,6 +42,7 @@ from dolmus.server.openai.batch_store import BatchStore
 from dolmus.server.openai.batches import add_batch_routes
 from dolmus.server.openai.chat import OpenAIChat
 from dolmus.server.openai.completions import OpenAICompletions
+from dolmus.server.openai.embeddings import EmbeddingRequest, OpenAIEmbeddings
 from dolmus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,6 +76,7 @@ class ServerState:
         self.engine_config = engine_config
         self.engine: AsyncEngine | EngineCoreClient | DataParallelClient | None = None
         self.serving: Serving | None = None
+        self.embeddings: OpenAIEmbeddings | None = None
         self.completions: OpenAICompletions | None = None  # the API modules, over `serving`
         self.chat: OpenAIChat | None = None
         self.ollama: OllamaAPI | None = None  # Ollama's API (/api/...), made on its first request
@@ -158,6 +160,7 @@ class ServerState:
             self.server_config.gpu_hour_cost,
         )
         self.completions = OpenAICompletions(serving)
+        self.embeddings = OpenAIEmbeddings(serving, self.server_config.pooling)
         self.chat = OpenAIChat(
             serving, self.server_config.reasoning_parser, self.server_config.tool_call_parser
         )
@@ -333,6 +336,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
         state.ready()
         assert state.completions is not None
         return await state.completions.create(body, priority, raw, client)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        client = _client(raw)
+        priority = _priority(state.access, client, body.priority, x_priority)
+        state.ready()
+        assert state.embeddings is not None
+        return await state.embeddings.create(body, priority, raw, client)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:

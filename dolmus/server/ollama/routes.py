@@ -1,4 +1,4 @@
-"""Ollama's routes on `app`: version, tags, show, ps, generate, chat, and embed (501).
+"""Ollama's routes on `app`: version, tags, show, ps, generate, chat, embed and embeddings.
 
 What Ollama calls a model name is `name:tag` (shared.ollama_name). There is one model and it
 stays loaded, so `keep_alive` is accepted and ignored, /api/ps always lists it, and the
@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from dolmus import __version__
 from dolmus.server.access import Client
-from dolmus.server.errors import APIError
 from dolmus.server.ollama.chat import OllamaChat
+from dolmus.server.ollama.embed import EmbeddingsRequest, EmbedRequest, OllamaEmbed
 from dolmus.server.ollama.generate import OllamaGenerate
 from dolmus.server.ollama.model_card import ModelFacts, read_facts
 from dolmus.server.ollama.protocol import ChatRequest, GenerateRequest, ShowRequest
@@ -41,6 +41,7 @@ class OllamaAPI:
         self.state = state
         self.generate = OllamaGenerate(serving)
         self.chat = OllamaChat(serving)
+        self.embed = OllamaEmbed(serving, state.server_config.pooling)
         self._facts: asyncio.Task[ModelFacts] | None = None
 
     async def facts(self) -> ModelFacts:
@@ -142,7 +143,11 @@ def add_ollama_routes(app: FastAPI, state: ServerState, identify: Identify) -> N
         return await api().chat.create(body, priority, raw, client)
 
     @app.post("/api/embed")
+    async def embed(body: EmbedRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        client, priority = identify(raw, x_priority)
+        return await api().embed.embed(body, priority, raw, client)
+
     @app.post("/api/embeddings")
-    async def embed() -> Response:
-        api()
-        raise APIError(501, "embeddings are not supported: dolmus's engine has no embeddings path yet")
+    async def embeddings(body: EmbeddingsRequest, raw: Request, x_priority: str | None = Header(None)) -> Any:
+        client, priority = identify(raw, x_priority)
+        return await api().embed.embeddings(body, priority, raw, client)
