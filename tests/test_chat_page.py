@@ -287,6 +287,35 @@ def test_answers_render_safely_with_thinking_folded(page: Page) -> None:
     assert "<summary>Thinking…</summary>" in html["open"]
 
 
+def test_reasoning_content_is_shown_folded(browser: object, tmp_path: Path) -> None:
+    """With a reasoning parser the server sends the thinking as `reasoning_content`; the page
+    folds it like a <think> block. deepseek_r1 reads a reply that never closes its think block
+    as all reasoning, which the built-in model's replies are."""
+    with RemoteServer("--reasoning-parser", "deepseek_r1") as srv:
+        body = {"model": "stories260k", "messages": [{"role": "user", "content": "Hi"}]}
+        direct = httpx.post(
+            srv.url + "/v1/chat/completions", json={**body, "temperature": 0, "max_tokens": 20}
+        ).json()["choices"][0]["message"]
+        assert direct["reasoning_content"] and not direct["content"]
+        p = Page(browser, srv.url, tmp_path / "profile")
+        try:
+            pg = p.page
+            _wait_model(pg)
+            _set(pg, "temperature", "0")
+            _set(pg, "max_tokens", "20")
+            _ask(pg, "Hi")
+            answer = _last_answer(pg)
+            answer.locator(".stats").wait_for(timeout=60_000)
+            fold = answer.locator("details.think")
+            assert fold.count() == 1 and fold.locator("summary").inner_text() == "Thought"
+            fold.locator("summary").click()
+            assert fold.inner_text().removeprefix("Thought").split() == direct["reasoning_content"].split()
+            pg.reload()  # kept with the conversation
+            pg.locator(".msg.assistant details.think").first.wait_for()
+        finally:
+            p.close()
+
+
 def test_conversations_rename_delete_export_import(page: Page, browser: object, tmp_path: Path) -> None:
     pg = page.page
     _wait_model(pg)

@@ -22,7 +22,15 @@ function fmt(n, digits = 0) {
 }
 
 // One line under an answer: what the engine did for it.
-export function statsLine(t) {
+export // An answer as the page shows it: the server's reasoning (`reasoning_content`, from a
+// --reasoning-parser) as a <think> block that renderMarkdown folds, open while it streams.
+function shownText(message, finished) {
+  if (!message.reasoning) return message.content;
+  const closed = finished || message.content ? "</think>" : "";
+  return `<think>${message.reasoning}${closed}${message.content}`;
+}
+
+function statsLine(t) {
   if (!t) return "";
   const parts = [
     `TTFT ${fmt(t.ttft_ms)} ms`,
@@ -195,7 +203,7 @@ export class ChatView {
     const node = el("div", `msg ${message.role}`);
     node.dataset.index = index;
     const body = el("div", "body");
-    if (message.role === "assistant") renderMarkdown(body, message.content);
+    if (message.role === "assistant") renderMarkdown(body, shownText(message, true));
     else body.textContent = message.content;
     node.append(body);
     const meta = el("div", "meta");
@@ -276,7 +284,7 @@ export class ChatView {
     let drawn = false;
     const draw = () => {
       drawn = false;
-      renderMarkdown(body, reply.content);
+      renderMarkdown(body, shownText(reply, false));
       $("messages").scrollTop = $("messages").scrollHeight;
     };
     const poller = setInterval(() => this.pollProgress(requestId, progress), PROGRESS_POLL_MS);
@@ -284,8 +292,10 @@ export class ChatView {
       await streamChat({ model: c.model, messages: history, ...this.sampling() }, this.controller.signal, (event) => {
         requestId = requestId || event.id;
         const choice = event.choices?.[0];
-        if (choice?.delta?.content) {
-          reply.content += choice.delta.content;
+        const reasoning = choice?.delta?.reasoning_content;
+        if (reasoning) reply.reasoning = (reply.reasoning || "") + reasoning;
+        if (choice?.delta?.content) reply.content += choice.delta.content;
+        if (choice?.delta?.content || reasoning) {
           if (progress.isConnected) progress.remove();
           if (!drawn) {
             drawn = true;
@@ -302,7 +312,7 @@ export class ChatView {
       clearInterval(poller);
       this.controller = null;
       this.setBusy(false);
-      if (!reply.content && !reply.stopped) c.messages.pop();
+      if (!reply.content && !reply.reasoning && !reply.stopped) c.messages.pop();
       await store.saveConversation(c);
       this.renderMessages();
       this.renderList();
