@@ -8,7 +8,8 @@ fresh prompts each round:
   batch 32   32 requests of 64 prompt and 32 output tokens (transformers: one padded batch)
 Prints tokens per second of each and the ratio, and the batch-1 decode against the
 active-parameter roofline: the bytes of the weights a token actually reads (attention, router,
-its 2 experts, norms, the head) over the machine's measured read bandwidth. The first tokens
+its 2 experts, norms, the head) over the machine's measured read bandwidth, for the weights in
+bf16 and quantized on load to int8 and int4 (experts included). The first tokens
 are checked equal (greedy, bf16: the two engines' sums may part later on near ties).
 
     python benchmarks/moe.py [--rounds 2]
@@ -61,20 +62,6 @@ def moe_dir() -> Path:
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)  # ids only are sent; any tokenizer serves
     return folder
-
-
-def active_bytes() -> int:
-    """Weight bytes one decoded token reads (bf16): attention, router, top-k experts, norms, head."""
-    h, kv = SHAPE["hidden_size"], SHAPE["num_key_value_heads"] * h_per_head()
-    attention = h * h * 2 + h * kv * 2  # q, o; k, v
-    experts = SHAPE["num_experts_per_tok"] * 3 * h * SHAPE["intermediate_size"]
-    router = SHAPE["num_local_experts"] * h
-    per_layer = attention + experts + router + 2 * h
-    return 2 * (SHAPE["num_hidden_layers"] * per_layer + SHAPE["vocab_size"] * h + h)
-
-
-def h_per_head() -> int:
-    return SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
 
 
 def prompts(n: int, length: int, round_: int) -> list[list[int]]:
@@ -137,17 +124,42 @@ def main() -> None:
     for name, by in rates.items():
         hf, us = statistics.median(by["transformers"]), statistics.median(by["dolmus"])
         print(f"{name:<12}{hf:>20.1f}{us:>14.1f}{us / hf:>7.2f}x")
-    # batch-1 decode alone: 64 tokens after a 1-token prompt, timed per token
-    single = prompts(1, 1, 99)
-    run_dolmus(ours, single, 4)
-    seconds, _ = run_dolmus(ours, single, 65)
-    decode = 64 / seconds
+    # batch-1 decode alone: 64 tokens after a 1-token prompt, timed per token, against the
+    # bytes a token reads, per weight format (experts quantized too under int8/int4)
     bandwidth = read_bandwidth()
-    roofline = bandwidth / active_bytes()
-    print(
-        f"\nbatch-1 decode: {decode:.1f} tok/s; roofline {active_bytes() / 1e9:.3f} GB read per token at "
-        f"{bandwidth / 1e9:.1f} GB/s = {roofline:.1f} tok/s: {decode / roofline:.0%}"
-    )
+    print(f"\nbatch-1 decode, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'weights':<8}{'GB read/token':>15}{'tok/s':>8}{'roofline tok/s':>16}{'share':>7}")
+    for quantization in (None, "int8", "int4"):
+        llm = ours if quantization is None else LLM(str(folder), dtype="bfloat16", max_model_len=512,
+                                                    quantization=quantization)  # fmt: skip
+        single = prompts(1, 1, 99)
+        run_dolmus(llm, single, 4)
+        with CpuPressure() as pressure:
+            seconds, _ = run_dolmus(llm, single, 65)
+        decode = 64 / seconds
+        read = bytes_read_per_token(llm.engine.executor.runner.model)
+        roofline = bandwidth / read
+        flag = "  (disturbed)" if pressure.share > 0.05 else ""
+        print(
+            f"{quantization or 'bf16':<8}{read / 1e9:>15.3f}{decode:>8.1f}{roofline:>16.1f}"
+            f"{decode / roofline:>7.0%}{flag}"
+        )
+        if llm is not ours:
+            del llm
+
+
+def bytes_read_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes one decoded token reads, as the model stores them: everything but the
+    embedding table (one row of it) and the experts no token chose (all but top-k of each layer)."""
+    from dolmus.runtime.layers.fused_moe import FusedExperts
+    from dolmus.runtime.layers.linear import module_bytes
+
+    total = module_bytes(model) - module_bytes(model.model.embed_tokens)
+    for layer in model.modules():
+        if isinstance(layer, FusedExperts):
+            unread = 1 - SHAPE["num_experts_per_tok"] / layer.num_experts
+            total -= int((module_bytes(layer) - layer.tokens_routed.numel() * 8) * unread)
+    return total
 
 
 if __name__ == "__main__":
