@@ -26,6 +26,7 @@ from dolmus.config import (
     TierSpec,
 )
 from dolmus.entrypoints.chat_cli import add_chat_args, run_chat
+from dolmus.evaluate.evaluate import add_eval_args, run_eval
 
 T = TypeVar("T")
 
@@ -521,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="search batching settings for the best goodput on a trace")
     add_tune_args(tune)
     tune.set_defaults(func=run_tune)
+
+    ev = sub.add_parser("eval", help="score a model and its variants on your own JSONL task file")
+    add_engine_args(ev)
+    add_eval_args(ev)
+    ev.set_defaults(func=lambda a: run_eval(a, engine_config_from_args(a)))
     return parser
 
 

@@ -43,3 +43,20 @@ def test_bad_line_names_line(tmp_path):
         load_tasks(str(p))
     with pytest.raises(ValueError, match="needs a 'pattern'"):
         t(scorer="regex")
+
+
+def test_eval_cli_end_to_end(tmp_path, capsys):
+    from dolmus.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["eval", "--tasks", "examples/eval/stories.jsonl", "--compare", "@none", "--compare", "@int8"])
+    assert rc == 0
+    rc = main(["eval", "--tasks", "examples/eval/stories.jsonl", "--compare", "@none", "--out", str(out)])
+    assert rc == 0
+    assert "| model |" in capsys.readouterr().out
+    report = json.loads((out / "eval.json").read_text())
+    a, b = report["models"]
+    assert len(a["per_task"]) == 6 and 0 <= a["ci95"][0] <= a["accuracy"] <= a["ci95"][1] <= 1
+    assert b["agreement"] == 1.0 and b["delta_ll"] == 0.0
+    assert [t["ref_logprobs"] for t in a["per_task"]] == [t["ref_logprobs"] for t in b["per_task"]]
+    assert a["weight_bytes"] > 0 and (out / "eval.png").stat().st_size > 0
