@@ -77,16 +77,22 @@ DEFAULT_OWUI = Path("/work/peers/owui/bin/open-webui")
 ABORTED = 'dolmus:request_success_total{finished_reason="abort"}'
 
 
-def owui_env(base_url: str, data_dir: Path, title: bool = False) -> dict[str, str]:
-    """Open WebUI's settings for this run: no auth, one OpenAI connection, nothing downloaded."""
+def owui_env(base_url: str, data_dir: Path, title: bool = False, ollama: bool = False) -> dict[str, str]:
+    """Open WebUI's settings for this run: no auth, one OpenAI connection, nothing downloaded.
+
+    With `ollama`, the one connection is an Ollama one instead (`base_url` then has no /v1).
+    """
+    connection = (
+        {"ENABLE_OLLAMA_API": "True", "OLLAMA_BASE_URL": base_url, "ENABLE_OPENAI_API": "False"}
+        if ollama
+        else {"ENABLE_OLLAMA_API": "False", "ENABLE_OPENAI_API": "True", "OPENAI_API_BASE_URL": base_url}
+    )
     return {
         **os.environ,
         "DATA_DIR": str(data_dir),
         "WEBUI_AUTH": "False",
         "WEBUI_SECRET_KEY": uuid.uuid4().hex,
-        "ENABLE_OLLAMA_API": "False",
-        "ENABLE_OPENAI_API": "True",
-        "OPENAI_API_BASE_URL": base_url,
+        **connection,
         "OPENAI_API_KEY": "x",
         "ENABLE_TITLE_GENERATION": str(title),
         "ENABLE_TAGS_GENERATION": "False",
@@ -171,14 +177,21 @@ class OpenWebUI:
     """`open-webui serve` as a child process in its own process group."""
 
     def __init__(
-        self, exe: Path, base_url: str, data_dir: Path, log: Path, timeout: float, title: bool = False
+        self,
+        exe: Path,
+        base_url: str,
+        data_dir: Path,
+        log: Path,
+        timeout: float,
+        title: bool = False,
+        ollama: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [str(exe), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=owui_env(base_url, data_dir, title),
+            env=owui_env(base_url, data_dir, title, ollama),
             cwd=data_dir,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -449,18 +462,7 @@ def run(args: argparse.Namespace) -> int:
         check(done >= 5, f"{done:.0f} requests finished in dolmus (>= 5 expected)")
 
         if proxy is not None:
-            dump = tmp / "upstream_requests.json"
-            dump.write_text(json.dumps(proxy.records, indent=1, ensure_ascii=False))
-            print(f"\nwhat Open WebUI sent upstream (in full: {dump})")
-            for rec in proxy.records:
-                headers = {
-                    k: v
-                    for k, v in rec["headers"].items()
-                    if k in ("authorization", "content-type", "user-agent") or k.startswith("x-")
-                }
-                print(f"  {rec['method']} {rec['path']} {json.dumps(headers)}")
-                if rec["json"] is not None:
-                    print(f"    {json.dumps(rec['json'], ensure_ascii=False)[:400]}")
+            print_records(proxy, tmp)
     finally:
         if owui_proc is not None:
             owui_proc.stop()
@@ -471,6 +473,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU pressure (share of time a task waited for a core, last 60 s): {_cpu_pressure()}")
     print(f"\n{len(failures)} checks failed" + (": " + "; ".join(failures) if failures else ""))
     return 1 if failures else 0
+
+
+def print_records(proxy: RecordingProxy, tmp: Path) -> None:
+    """Print what Open WebUI sent upstream (and save it in full in the run's folder)."""
+    dump = tmp / "upstream_requests.json"
+    dump.write_text(json.dumps(proxy.records, indent=1, ensure_ascii=False))
+    print(f"\nwhat Open WebUI sent upstream (in full: {dump})")
+    for rec in proxy.records:
+        headers = {
+            k: v
+            for k, v in rec["headers"].items()
+            if k in ("authorization", "content-type", "user-agent") or k.startswith("x-")
+        }
+        print(f"  {rec['method']} {rec['path']} {json.dumps(headers)}")
+        if rec["json"] is not None:
+            print(f"    {json.dumps(rec['json'], ensure_ascii=False)[:400]}")
 
 
 def _cpu_pressure() -> str:
@@ -512,7 +530,17 @@ def main() -> int:
     parser.add_argument(
         "--record", action="store_true", help="proxy and print what Open WebUI sends upstream"
     )
-    return run(parser.parse_args())
+    parser.add_argument(
+        "--ollama",
+        action="store_true",
+        help="connect Open WebUI to dolmus' Ollama API instead (benchmarks/open_webui_ollama.py)",
+    )
+    args = parser.parse_args()
+    if args.ollama:
+        from open_webui_ollama import run_ollama  # this script's folder is on sys.path
+
+        return run_ollama(args)
+    return run(args)
 
 
 if __name__ == "__main__":
