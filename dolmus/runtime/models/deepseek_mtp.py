@@ -26,14 +26,13 @@ from torch import nn
 from dolmus.config import ModelConfig
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
-from dolmus.runtime.layers.fused_moe import FusedExperts
 from dolmus.runtime.layers.linear import Linear, load_plain
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.loader import iter_weights, safetensors_files
 from dolmus.runtime.models.deepseek import deepseek_layer, route_deepseek_weight
-from dolmus.runtime.models.llama import expected_weights
+from dolmus.runtime.models.llama import expected_weights, process_loaded_weights
 from dolmus.runtime.models.mla import DeepseekRotary
 
 # the MTP module's own tensors; the rest of its names are a decoder layer's
@@ -125,9 +124,7 @@ class MTPHead(nn.Module):
             raise ValueError(f"speculative_config: the checkpoint's MTP layer lacks {shown}")
 
     def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedExperts)):
-                module.process_weights_after_loading()
+        process_loaded_weights(self)
 
 
 def load_mtp(

@@ -24,6 +24,7 @@ from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig, Part
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.embedding import VocabParallelEmbedding
+from dolmus.runtime.layers.fused_moe import FusedExperts
 from dolmus.runtime.layers.linear import Linear, ParallelStyle, load_plain
 from dolmus.runtime.layers.linear_method import LinearMethod
 from dolmus.runtime.layers.norm import RMSNorm
@@ -69,6 +70,14 @@ def expected_weights(model: nn.Module) -> set[tuple[str, str | None]]:
                 expected.discard((full, None))
                 expected.update((full, shard) for shard in module.shard_offsets)
     return expected
+
+
+def process_loaded_weights(model: nn.Module) -> None:
+    """Let every layer that stores its weights its own way (linear layers, experts) do so once
+    all are loaded: pack, quantize, place pre-quantized codes."""
+    for module in model.modules():
+        if isinstance(module, (Linear, FusedExperts)):
+            module.process_weights_after_loading()
 
 
 class Attention(nn.Module):
@@ -366,9 +375,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
 
     def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
+        process_loaded_weights(self)
 
 
 # Mistral's config differs from Llama's only in a sliding window (every layer's), which the

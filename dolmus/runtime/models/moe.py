@@ -189,12 +189,6 @@ class MoEForCausalLM(LlamaForCausalLM):
             return name.removesuffix(".weight"), None
         return fused_name(name)
 
-    def process_weights_after_loading(self) -> None:
-        super().process_weights_after_loading()
-        for module in self.modules():
-            if isinstance(module, FusedExperts):
-                module.process_weights_after_loading()
-
     def fused_decoder(self, kv_caches: list, max_rows: int) -> tuple[None, str]:
         return None, "Mixture-of-Experts layers are not in the fused step"
 
