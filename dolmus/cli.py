@@ -144,7 +144,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=_choices(EngineConfig, "attention_backend"),
         default=d.attention_backend,
-        help="torch (gather + SDPA) or native (our C decode kernel; bf16 on AVX-512 BF16 CPUs)",
+        help="torch (gather + SDPA), native (our C decode kernel; bf16 on AVX-512 BF16 CPUs) or "
+        "triton (our paged kernel; CUDA); auto: native or triton where they run, else torch",
     )
     g.add_argument(
         "--structured-output-backend",
@@ -188,6 +189,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.fused_decode,
         help="decode-only steps as one call into our C kernels where the whole model runs on them "
         "(the same tokens; no per-layer Python and PyTorch glue)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=d.enforce_eager,
+        help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps",
     )
     g.add_argument(
         "--tier-specs",

@@ -41,7 +41,7 @@ def choice(default: Any, choices: tuple[Any, ...]) -> Any:
 
 QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
 KV_CACHEDTYPE_NAMES = ("auto", "int8", "fp8")
-ATTENTION_BACKENDS = ("auto", "torch", "native")  # runtime/attention's registry, plus auto
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # runtime/attention's registry, plus auto
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "llguidance")  # structured/backend.py
 
 
@@ -362,13 +362,17 @@ class EngineConfig:
     # decode-only steps as one C call (runtime/models/llama_decode.py) where every part of the
     # model runs on those kernels: the same kernels and bits, without the per-layer glue
     fused_decode: bool = True
+    # CUDA: decode-only steps replay CUDA graphs captured at start-up (runtime/cuda_graphs.py);
+    # True runs every step eagerly (vLLM's --enforce-eager)
+    enforce_eager: bool = False
     # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
     # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
     # 8 rows, as llama.cpp does: faster decode, a little less accurate)
     gguf_activations: str = choice("float", ("float", "int8"))
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHEDTYPE_NAMES)
-    # auto: native (our C decode kernel) where the native kernels run, else torch (gather + SDPA)
+    # auto: native (our C decode kernel) where the native kernels run, triton (our paged kernel)
+    # on CUDA, else torch (gather + SDPA)
     attention_backend: str = choice("auto", ATTENTION_BACKENDS)
     # uni: the model runs in the engine's process; mp: in worker processes fed each step's plan
     # (vLLM's --distributed-executor-backend; tensor parallelism always runs mp)

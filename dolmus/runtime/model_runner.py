@@ -28,6 +28,8 @@ from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import make_kv_store
+from dolmus.runtime.attention.triton_backend import usable as triton_usable
+from dolmus.runtime.cuda_graphs import CudaGraphDecoder, build_cuda_graphs, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
@@ -170,6 +172,14 @@ class ModelRunner:
         self.num_blocks = plan_kv_blocks(config, per_token, device, max_model_len, parallel, local_ranks)
         cfg = model_config
         slots = self.num_blocks * self.block_size
+        # CUDA graphs pad batches with rows whose keys and values go to one spare block
+        self.graphs_wanted = (
+            (device.type == "cuda" or graphs_emulated())
+            and not config.enforce_eager
+            and self.attention.supports_cuda_graphs
+        )
+        if self.graphs_wanted:
+            slots += self.block_size
         heads, width, value_dim = cfg.kv_layout(self.num_kv_heads)
         self.kv_caches = [
             make_kv_store(
@@ -213,6 +223,12 @@ class ModelRunner:
         pools += self.drafter.kv_caches if self.drafter is not None else []
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
         self.kv_connector = make_worker_connector(config, model_path, dtype, device, parallel, pools)
+        # the block table's device copy, updated from each step's diff, that CUDA graphs read
+        self.block_table_dev: torch.Tensor | None = None
+        self._table_updates: list[tuple[int, int, list[int]]] = []  # (seat, column, blocks)
+        if self.graphs_wanted:
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            self.fused_decoder = self._cuda_graphs(rows)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> ModelRunner:
@@ -230,14 +246,46 @@ class ModelRunner:
 
     def _attention_backend_name(self) -> str:
         name = self.config.attention_backend
+        latent = self.model_config.kv_layout(self.num_kv_heads)[2] is not None
         if name == "auto":
-            return "native" if self.native_kernels else "torch"
+            if self.native_kernels:
+                return "native"
+            if self.device.type == "cuda" and not latent and triton_usable(self.device) is None:
+                return "triton"
+            return "torch"
+        if name == "triton":
+            why = triton_usable(self.device) or (latent and "it does not take latent (MLA) caches")
+            if why:
+                raise ValueError(f"attention_backend triton cannot run here: {why}")
         if name == "native" and not self.native_kernels:
             raise ValueError(
                 "attention_backend native needs bf16 on an x86-64 CPU with AVX-512 BF16 or float32 on "
                 "one with AVX2, a C compiler and native_kernels on"
             )
         return name
+
+    def _cuda_graphs(self, rows: int) -> CudaGraphDecoder | None:
+        """Decode steps from CUDA graphs, or None (logged) where the model cannot be captured."""
+        why = None
+        self.block_table_dev = self.block_table.to(self.device, copy=True)
+        if self.expert_load is not None:
+            why = "Mixture-of-Experts layers group tokens by expert on the host"
+        elif self.eagle is not None:
+            why = "an EAGLE-3 or MTP head reads hidden states the graphs do not keep"
+        if why:
+            logger.info("CUDA graphs: off (%s)", why)
+            self.block_table_dev = None
+            return None
+        return build_cuda_graphs(
+            self.model,
+            self.kv_caches,
+            self.attention,
+            self.block_table_dev,
+            rows,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.device,
+        )
 
     def _suited_step_tokens(self, device: torch.device) -> int | None:
         """2048 on a CPU where every linear layer runs on the AMX tile kernel, whose cost per
@@ -268,6 +316,20 @@ class ModelRunner:
             seq = self.sequences[rid]
             self._append_blocks(seq, blocks)
             seq.num_computed_tokens = computed
+        if self._table_updates:
+            self._update_device_table()
+
+    def _update_device_table(self) -> None:
+        """The diff's new blocks into the device copy of the block table: one copy, one scatter."""
+        width = self.block_table.shape[1]
+        where, blocks = [], []
+        for seat, column, ids in self._table_updates:
+            where.extend(range(seat * width + column, seat * width + column + len(ids)))
+            blocks.extend(ids)
+        self._table_updates.clear()
+        pairs = torch.tensor([where, blocks], dtype=torch.long, pin_memory=self.device.type == "cuda")
+        pairs = pairs.to(self.device, non_blocking=True)
+        self.block_table_dev.view(-1).index_copy_(0, pairs[0], pairs[1])  # type: ignore[union-attr]
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.sequences:
@@ -276,6 +338,10 @@ class ModelRunner:
             grown = self.block_table.shape[0]
             self.block_table = torch.cat((self.block_table, torch.zeros_like(self.block_table)))
             self._free_rows = list(range(2 * grown - 1, grown - 1, -1))
+            if self.block_table_dev is not None:  # captured graphs read the old table: eager on
+                logger.warning("CUDA graphs: off (more requests held than max_num_seqs seats)")
+                self.block_table_dev, self.fused_decoder = None, None
+                self._table_updates.clear()
         seq = _Sequence(
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
@@ -293,6 +359,8 @@ class ModelRunner:
         if block_ids:
             end = seq.num_blocks + len(block_ids)
             self.block_table[seq.row, seq.num_blocks : end] = torch.tensor(block_ids, dtype=torch.long)
+            if self.block_table_dev is not None:
+                self._table_updates.append((seq.row, seq.num_blocks, block_ids))
             seq.num_blocks = end
 
     def _drop(self, request_id: str) -> None:
@@ -399,8 +467,13 @@ class ModelRunner:
                 ids.append(rid)
         if not rows:
             return StepResult(embeddings=embeddings)
-        index = torch.tensor(sample_index, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        if sample_index == list(range(hidden.shape[0])):  # a plain decode step samples every row
+            logits = self.model.compute_logits(hidden)
+        else:
+            index = torch.tensor(sample_index, pin_memory=self.device.type == "cuda")
+            logits = self.model.compute_logits(
+                hidden.index_select(0, index.to(self.device, non_blocking=True))
+            )
         bitmask = None
         if plan.grammar_bitmask is not None:
             words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32)
@@ -514,6 +587,9 @@ class ModelRunner:
         positions = torch.tensor(context)
         tokens = torch.tensor([seq.token_ids[c] for seq, c in rows])
         table_rows = torch.tensor([seq.row for seq, _ in rows])
+        if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
+            slots = self.block_table[table_rows, positions // bs] * bs + positions % bs
+            return decoder.run(tokens, positions, slots, table_rows, positions + 1)
         table = self.block_table[table_rows, : max(context) // bs + 1]  # a contiguous copy
         slots = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         return decoder.run(tokens, positions, slots, table, positions + 1)

@@ -46,20 +46,21 @@ class BatchLayout:
 
 class AttentionBackend(ABC):
     name: str
-    # CUDA graphs replay fixed buffers: a backend that supports them copies each step's
-    # metadata into buffers it allocated for the largest batch (decode only, padded).
+    # CUDA graphs replay fixed buffers: a backend that supports them describes a decode-only step
+    # by tensors it reads in place (graph_metadata), which runtime/cuda_graphs.py refills per step.
     supports_cuda_graphs: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> Any:
         """This backend's description of the step, built once and passed to every layer."""
 
-    def prepare_graph_buffers(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> Any:
-        """Allocate the fixed metadata buffers that captured graphs read (capture time)."""
-        raise NotImplementedError(f"the {self.name} attention backend does not capture CUDA graphs")
-
-    def fill_graph_buffers(self, buffers: Any, meta: Any) -> None:
-        """Copy a step's metadata into the captured graph's buffers (replay time)."""
+    def graph_metadata(
+        self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> Any:
+        """Metadata for a decode-only step of len(seq_lens) rows (one new token each) that reads
+        these device tensors in place, whatever they hold when a captured graph replays:
+        slot_mapping [rows], block_table [rows, width] and seq_lens [rows] (keys each row
+        attends to, its new one included; 0 for a padding row, which must stay finite)."""
         raise NotImplementedError(f"the {self.name} attention backend does not capture CUDA graphs")
 
     @abstractmethod
@@ -106,4 +107,4 @@ def get_backend(name: str) -> AttentionBackend:
 
 def _import_backends() -> None:
     # Imported here so the registry fills without the backends importing each other.
-    from dolmus.runtime.attention import native_cpu, torch_sdpa  # noqa: F401
+    from dolmus.runtime.attention import native_cpu, torch_sdpa, triton_backend  # noqa: F401
