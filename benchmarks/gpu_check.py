@@ -20,14 +20,12 @@ Everything also goes to $OUT/gpu_check.log; a summary table is printed last (and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -36,6 +34,7 @@ os.environ.setdefault("DOLMUS_BENCH_CACHE", "/tmp/dolmus-bench")  # read by offl
 
 import torch
 
+STARTED = time.monotonic()
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
 from gpu_check_lib import (  # noqa: E402
@@ -55,79 +54,15 @@ from gpu_check_lib import (  # noqa: E402
     start_log,
 )
 from gpu_check_models import (  # noqa: E402
+    FORMATS,
+    Ctx,
+    GiB,
     batch1_rate,
     fixture_builders,
     hf_greedy_on,
     hf_throughput,
     nano_vllm_workload,
 )
-from offline_throughput import qwen05b_shape_dir  # noqa: E402
-
-GiB = 2**30
-# label -> engine options beyond bf16 (section 3 builds them, sections 4 and 5 reuse them)
-FORMATS = {
-    "bf16 graphs": {},
-    "bf16 eager": {"enforce_eager": True},
-    "fp8 graphs": {"quantization": "fp8"},
-    "int4 graphs": {"quantization": "int4"},
-}
-
-
-@dataclasses.dataclass
-class Ctx:
-    device: torch.device
-    quick: bool  # the hidden CPU plumbing check: tiny models, a few requests
-    root: Path  # the tiny fixtures' folders
-    bandwidth: float | None = None
-    engines: dict[str, Any] = dataclasses.field(default_factory=dict)
-    notes: set[str] = dataclasses.field(default_factory=set)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def llm(self, model: Path | str, **options: Any) -> Any:
-        """An LLM on this device; options this build's EngineConfig lacks are dropped, once said."""
-        from dolmus import LLM, EngineConfig
-
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        for name in set(options) - known:
-            if name not in self.notes:
-                self.notes.add(name)
-                say(f"note: this build has no EngineConfig.{name}: runs ignore it", f"note: no {name}")
-        kept = {k: v for k, v in options.items() if k in known}
-        return LLM(model=str(model), device=str(self.device), **kept)
-
-    def big_model(self) -> Path:
-        if self.quick:
-            from conftest import build_model_dir
-
-            return build_model_dir("qwen2", self.root)
-        return qwen05b_shape_dir()
-
-    def engine(self, label: str) -> Any:
-        if label not in self.engines:
-            t0 = time.perf_counter()
-            self.engines[label] = self.llm(
-                self.big_model(),
-                dtype="bfloat16",
-                max_num_seqs=16 if self.quick else 256,
-                kv_cache_memory=64 * 2**20 if self.quick else 12 * GiB,
-                **FORMATS[label],
-            )
-            say(f"  ({label}: engine ready in {time.perf_counter() - t0:.1f} s)")
-        return self.engines[label]
-
-    def drop_engines(self) -> None:
-        for llm in self.engines.values():
-            llm.engine.shutdown()
-        self.engines.clear()
-        free_memory(self.device)
-
-    def measured_bandwidth(self) -> float:
-        if self.bandwidth is None:
-            self.bandwidth = copy_bandwidth(self.device, 2**26 if self.quick else GiB)
-        return self.bandwidth
 
 
 def s1_device(ctx: Ctx, deadline: Deadline) -> None:
@@ -200,6 +135,7 @@ def s2_agreement(ctx: Ctx, deadline: Deadline) -> None:
         except Exception as exc:  # one fixture failing must not hide the others
             say(f"{name}: FAILED\n{traceback.format_exc()}", f"S2 {name:<16} FAILED {type(exc).__name__}")
             free_memory(ctx.device)
+    say(f"TF32 matmuls allowed after these runs: {torch.backends.cuda.matmul.allow_tf32}")
 
 
 def s3_roofline(ctx: Ctx, deadline: Deadline) -> None:
@@ -245,12 +181,14 @@ def s4_throughput(ctx: Ctx, deadline: Deadline) -> None:
     say(
         f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt and {wanted} output tokens (ignore_eos)"
     )
-    cap = 20.0 if ctx.quick else 45.0
+    # seconds each run may take: the ratio's two runs longest; a cut run reports its rate so far
+    caps = {"bf16 graphs": 60.0, "transformers": 45.0}
     rates: dict[str, float] = {}
     for label in ("bf16 graphs", "transformers", "bf16 eager", "fp8 graphs", "int4 graphs"):
         if deadline.over():
             say(f"{label}: skipped (section out of time)", f"S4 {label:<12} skipped (time)")
             continue
+        cap = min(caps.get(label, 30.0) / (3 if ctx.quick else 1), max(10.0, deadline.left()))
         try:
             if label == "transformers":
                 subset = reqs[: 4 if ctx.quick else 64]
@@ -267,7 +205,7 @@ def s4_throughput(ctx: Ctx, deadline: Deadline) -> None:
             llm = ctx.engine(label)
             drive(
                 llm,
-                nano_vllm_workload(True, vocab)[:4] if ctx.quick else [(r[0][:64], 16) for r in reqs[:32]],
+                [(p[::-1][:64], 16) for p, _ in reqs[:32]],  # no prefix of the measured prompts
                 30,
             )
             tokens, secs, done = drive(llm, reqs, cap)
@@ -325,7 +263,7 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
         parts = ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timer.seconds.items())
         rest = step_s - sum(timer.seconds.values()) / steps
         say(
-            f"batch {engine.num_unfinished_requests()} decode step {step_s * 1e3:.2f} ms: {parts}, "
+            f"batch {count} decode step {step_s * 1e3:.2f} ms: {parts}, "
             f"rest (outputs, detokenizer) {rest * 1e3:.2f} ms"
         )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
@@ -428,6 +366,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: plumbing check
     ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # tiny sizes everywhere
     ap.add_argument("--root", default="/tmp/dolmus-gpu-check", help="folder for the tiny fixtures")
+    ap.add_argument(
+        "--deadline", type=float, default=540.0, help="seconds from start: later sections are skipped, "
+        "budgets clipped, so the summary prints before a caller's time limit (default 540)",
+    )  # fmt: skip
     args = ap.parse_args()
     start_log(args.out)
     install_term_handler()
@@ -439,12 +381,19 @@ def main() -> None:
         torch.set_num_threads(1)
     ctx = Ctx(device, args.quick, Path(args.root))
     ctx.root.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    for tag in args.sections.split(","):
-        title, budget, run = SECTIONS[tag.strip()]
-        with section(tag.strip(), title, budget / 3 if args.quick else budget) as deadline:
+    for tag in [t.strip() for t in args.sections.split(",")]:
+        title, budget, run = SECTIONS[tag]
+        left = args.deadline - (time.monotonic() - STARTED)
+        if left < 20:
+            say(
+                f"\n== {tag}. {title}: skipped, {left:.0f} s left of --deadline", f"S{tag} skipped (deadline)"
+            )
+            continue
+        budget = min(budget / 3 if args.quick else budget, left - 15)
+        with section(tag, title, budget, min(2 * budget + 30, left - 5)) as deadline:
             run(ctx, deadline)
-    say(f"\nall sections: {time.monotonic() - started:.0f} s", f"total {time.monotonic() - started:.0f} s")
+    total = time.monotonic() - STARTED
+    say(f"\nall sections: {total:.0f} s (from start, imports included)", f"total {total:.0f} s")
     print_summary()
 
 

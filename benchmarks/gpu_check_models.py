@@ -4,6 +4,7 @@ its padded-batch throughput, dolmus' batch-1 decode rate, and nano-vllm's benchm
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 import time
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check_lib import pytest_stand_in
+from gpu_check_lib import copy_bandwidth, free_memory, pytest_stand_in, say
+from offline_throughput import qwen05b_shape_dir
 
 
 def fixture_builders(quick: bool) -> list[tuple[str, Any]]:
@@ -136,3 +138,72 @@ def hf_throughput(
     steps = out.shape[1] - width
     del model, out
     return sum(min(o, steps) for _, o in reqs) / seconds, steps, seconds
+
+
+GiB = 2**30
+# label -> engine options beyond bf16 (section 3 builds them, sections 4 and 5 reuse them)
+FORMATS = {
+    "bf16 graphs": {},
+    "bf16 eager": {"enforce_eager": True},
+    "fp8 graphs": {"quantization": "fp8"},
+    "int4 graphs": {"quantization": "int4"},
+}
+
+
+@dataclasses.dataclass
+class Ctx:
+    device: torch.device
+    quick: bool  # the hidden CPU plumbing check: tiny models, a few requests
+    root: Path  # the tiny fixtures' folders
+    bandwidth: float | None = None
+    engines: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: set[str] = dataclasses.field(default_factory=set)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def llm(self, model: Path | str, **options: Any) -> Any:
+        """An LLM on this device; options this build's EngineConfig lacks are dropped, once said."""
+        from dolmus import LLM, EngineConfig
+
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        for name in set(options) - known:
+            if name not in self.notes:
+                self.notes.add(name)
+                say(f"note: this build has no EngineConfig.{name}: runs ignore it", f"note: no {name}")
+        kept = {k: v for k, v in options.items() if k in known}
+        return LLM(model=str(model), device=str(self.device), **kept)
+
+    def big_model(self) -> Path:
+        if self.quick:
+            from conftest import build_model_dir
+
+            return build_model_dir("qwen2", self.root)
+        return qwen05b_shape_dir()
+
+    def engine(self, label: str) -> Any:
+        if label not in self.engines:
+            t0 = time.perf_counter()
+            self.engines[label] = self.llm(
+                self.big_model(),
+                dtype="bfloat16",
+                max_num_seqs=16 if self.quick else 256,
+                kv_cache_memory=64 * 2**20 if self.quick else 12 * GiB,
+                **FORMATS[label],
+            )
+            runner = getattr(self.engines[label].engine.executor, "runner", None)
+            backend = type(getattr(runner, "attention", None)).__name__
+            say(f"  ({label}: engine ready in {time.perf_counter() - t0:.1f} s, attention {backend})")
+        return self.engines[label]
+
+    def drop_engines(self) -> None:
+        for llm in self.engines.values():
+            llm.engine.shutdown()
+        self.engines.clear()
+        free_memory(self.device)
+
+    def measured_bandwidth(self) -> float:
+        if self.bandwidth is None:
+            self.bandwidth = copy_bandwidth(self.device, 2**26 if self.quick else GiB)
+        return self.bandwidth
