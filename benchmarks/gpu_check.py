@@ -13,8 +13,11 @@ failing alone (its traceback printed, the rest still run):
   6  the rank-process path: an NCCL group of one, the model in rank processes
 
 Everything also goes to $OUT/gpu_check.log; a summary table is printed last (and on SIGTERM).
+Wheels that benchmarks/gpu_wheels.sh left in .whl/ are unpacked and used where this Python
+lacks them. --deadline (default 540 s from start) skips later sections and clips budgets so
+the summary prints before a caller's time limit.
 
-    python benchmarks/gpu_check.py [--sections 1,2,3,4,5,6]
+    python benchmarks/gpu_check.py [--sections 1,2,3,4,5,6] [--deadline 540]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from gpu_check_lib import (  # noqa: E402
     say,
     section,
     start_log,
+    use_wheels,
 )
 from gpu_check_models import (  # noqa: E402
     FORMATS,
@@ -373,6 +377,9 @@ def main() -> None:
     args = ap.parse_args()
     start_log(args.out)
     install_term_handler()
+    wheels = use_wheels(HERE.parent / ".whl", Path("/tmp/dolmus-wheels"))
+    if wheels:
+        say(f"unpacked from .whl/ (absent here): {', '.join(wheels)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         say("no CUDA device: nothing to check")

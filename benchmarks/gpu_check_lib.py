@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import traceback
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -304,3 +305,28 @@ def pytest_stand_in() -> None:
                 return self
 
         sys.modules["pytest"] = _Decorators()  # type: ignore[assignment]
+
+
+def use_wheels(folder: Path, target: Path) -> list[str]:
+    """The wheels benchmarks/gpu_wheels.sh left in `folder` whose distribution this Python
+    lacks, unpacked into `target` (all that installing a wheel does for importing it; no pip
+    needed) and put on the path, of this process and of the processes it starts."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    used = []
+    for wheel in sorted(folder.glob("*.whl")):
+        name = wheel.name.split("-")[0]
+        try:
+            version(name)
+            continue  # the image's own copy wins
+        except PackageNotFoundError:
+            pass
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(target)
+        used.append(wheel.name)
+    if used:
+        sys.path.append(str(target))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH"), str(target)) if p
+        )
+    return used

@@ -5,8 +5,10 @@
 # transformers, tokenizers, safetensors, numpy, jinja2, tqdm, httpx, aiohttp, pyyaml, packaging,
 # requests and friends; the LLM path imports only msgspec and pyzmq beyond them (the server's
 # fastapi/pydantic/uvicorn and llguidance are not imported by LLM.generate). gguf: GGUF loading
-# and int4 GGUF unpacking import it lazily. On the device:
-#     python -m pip install --no-deps --no-index .whl/*.whl
+# and int4 GGUF unpacking import it lazily. pytest, pluggy, iniconfig, pygments: gpu_check.py
+# imports tests/conftest.py (it has a stand-in for pytest too). benchmarks/gpu_check.py itself
+# unpacks those of them the device's Python lacks into /tmp/dolmus-wheels (no pip needed);
+# elsewhere: python -m pip install --no-deps --no-index .whl/*.whl
 # Usage: benchmarks/gpu_wheels.sh [python]   (default: python3; needs pip and network here)
 set -euo pipefail
 cd "$(dirname "$0")/.."
