@@ -269,8 +269,13 @@ def gpu_busy(prof: Any) -> tuple[float, int, dict[str, float]]:
     Reads Kineto's raw events (building FunctionEvents for every CPU op takes long)."""
     cuda = torch.autograd.DeviceType.CUDA
     try:
-        events = prof.profiler.kineto_results.events()
-        spans = [(e.name(), e.start_ns() / 1e9, e.end_ns() / 1e9) for e in events if e.device_type() == cuda]
+        events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == cuda]
+        # GPU-side spans of annotations (gpu_user_annotation) or syncs cover gaps: work only
+        spans = [
+            (e.name(), e.start_ns() / 1e9, e.end_ns() / 1e9)
+            for e in events
+            if not any(word in e.activity_type() for word in ("annotation", "sync", "overhead"))
+        ]
     except AttributeError:
         spans = [
             (e.name, e.time_range.start / 1e6, e.time_range.end / 1e6)
