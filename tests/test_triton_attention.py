@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     gen = torch.Generator().manual_seed(0)
 
 
-    def build(specs, hq, hkv, dim, dtype, kind, window, bs, n_blocks=None, width=None):
+    def build(specs, hq, hkv, dim, dtype, kind, window, bs, n_blocks=None, width=None, splits=None):
         # specs: (seq_len, q_len) per sequence; seq_len 0 is a pad row (one token, no keys)
         n_blocks = n_blocks or sum(-(-L // bs) for L, _ in specs) + 4
         store = make_kv_store(kind, n_blocks * bs, hkv, dim, bs, dtype, dev)
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
         # q as a view of a wider projection output: strided tokens
         qkv = torch.randn(total, hq + 2 * hkv, dim, generator=gen).to(dtype).to(dev)
         return dict(
-            specs=specs, store=store, keys=keys, kind=kind, window=window, bs=bs,
+            specs=specs, store=store, keys=keys, kind=kind, window=window, bs=bs, splits=splits,
             q=qkv[:, :hq], out=torch.full((total, hq, dim), float("nan"), dtype=dtype, device=dev),
             table=table.to(dev), seq_lens=torch.tensor([L for L, _ in specs], device=dev),
             qsl=torch.tensor([0] + lens).cumsum(0).to(dev), max_q=max(lens), scale=dim**-0.5,
@@ -70,7 +70,7 @@ SCRIPT = textwrap.dedent(
             b["q"], store.data[0], store.data[1], b["out"], b["table"], b["seq_lens"], b["qsl"],
             b["max_q"], b["bs"], b["scale"], window=b["window"],
             k_scale=store.scale[0] if quant else None, v_scale=store.scale[1] if quant else None,
-            kv_codes=b["kind"],
+            kv_codes=b["kind"], num_splits=b["splits"],
         )
 
 
@@ -100,8 +100,8 @@ SCRIPT = textwrap.dedent(
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
 
 
-    def run(specs, hq, hkv, dim, dtype=torch.float32, kind="auto", window=None, bs=16, tol=2e-5):
-        b = build(specs, hq, hkv, dim, dtype, kind, window, bs)
+    def run(specs, hq, hkv, dim, dtype=torch.float32, kind="auto", window=None, bs=16, tol=2e-5, splits=None):
+        b = build(specs, hq, hkv, dim, dtype, kind, window, bs, splits=splits)
         call(b)
         check(b, tol)
 
@@ -112,6 +112,7 @@ SCRIPT = textwrap.dedent(
     for hq, hkv, dim in ((2, 2, 64), (4, 2, 128), (8, 2, 32), (7, 1, 80), (8, 1, 16)):
         run(mixed, hq, hkv, dim)
         run(decodes, hq, hkv, dim)
+    run(mixed, 4, 2, 160)  # wide heads: smaller tiles
     run(mixed, 4, 1, 64, window=9)
     run(decodes, 8, 2, 32, window=20, bs=8)
     run(mixed, 4, 2, 64, kind="int8")
@@ -119,6 +120,11 @@ SCRIPT = textwrap.dedent(
     run(decodes, 8, 1, 64, kind="fp8")
     run(decodes, 4, 2, 128, kind="int8", window=7, bs=8)
     run(mixed, 4, 2, 64, dtype=torch.float16, tol=2e-3)
+    # split-KV decode (flash-decoding): more splits than some sequences have key tiles
+    run(decodes + [(200, 1)], 4, 2, 64, splits=3)
+    run(decodes, 7, 1, 80, kind="int8", window=40, splits=4)
+    run(decodes, 8, 1, 16, kind="fp8", splits=2, bs=8)
+    run(mixed, 4, 2, 64, splits=4)  # prefill in the call: not split
 
     if dev.type == "cuda":
         # (not in the interpreter: its bf16 tl.dot returns garbage in Triton 3.9)
@@ -128,7 +134,13 @@ SCRIPT = textwrap.dedent(
             run(long, hq, hkv, dim, dtype=torch.bfloat16, kind="fp8", window=100, tol=2e-2)
         run(long, 32, 8, 128, dtype=torch.float16, kind="int8", tol=2e-3)
         run(long, 8, 2, 256, dtype=torch.bfloat16, tol=2e-2)
-        # A CUDA graph captured on one batch replays another of the same size (decodes and pad rows).
+        # decode-only: split-KV when few sequences (the default picks splits), and unsplit
+        few = [(4000, 1), (70, 1), (0, 1), (1500, 1)]
+        for splits in (None, 1, 7):
+            run(few, 32, 8, 128, dtype=torch.bfloat16, tol=2e-2, splits=splits)
+            run(few, 8, 1, 64, dtype=torch.bfloat16, kind="int8", window=300, tol=2e-2, splits=splits)
+        # A CUDA graph captured on one batch replays another of the same size (decodes and pad
+        # rows; the default splits the keys here: 3 sequences x 2 KV heads).
         shape = dict(hq=8, hkv=2, dim=64, dtype=torch.bfloat16, kind="int8", window=None, bs=16)
         a = build([(40, 1), (7, 1), (0, 1)], **shape, n_blocks=40, width=12)
         b = build([(150, 1), (0, 1), (99, 1)], **shape, n_blocks=40, width=12)

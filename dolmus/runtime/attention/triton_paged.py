@@ -28,10 +28,21 @@ writes zeros. Every output row of a sequence is written; rows past query_start_l
 no sequence and are left alone.
 
 Tiles: decode-only calls (max_query_len == 1) use 16 rows (the G heads of one token: the most
-a decode can fill), calls with prefill chunks 64 rows; 64 keys per iteration (32 for heads
-wider than 128), 4 warps. Constexpr specialisations: two row tiles per (G, head dim, cache
-kind, window on/off, dtype). The same kernel runs on the CPU under Triton's interpreter
-(TRITON_INTERPRET=1), which is how tests/test_triton_attention.py checks it.
+a decode can fill), calls with prefill chunks 64 rows (32 for heads wider than 128); 64 keys
+per iteration (32 for heads wider than 128), 4 warps. Constexpr specialisations: two row tiles
+per (G, head dim, cache kind, window on/off, dtype), plus the split-KV variant.
+
+Split-KV (flash-decoding): a decode-only call with few sequences gives too few programs to
+fill the GPU (1 sequence x 8 KV heads = 8 programs on 132 multiprocessors). Then each
+sequence's keys are cut into `num_splits` parts of whole key tiles (grid axis 1), each part
+writes a float32 partial output and its log-sum-exp, and a second kernel (grid S x Hq)
+combines them. The number of splits comes from S, Hkv and the GPU, never from tensor contents,
+so it too is graph-safe; splits past a short sequence's keys read nothing.
+
+The same kernels run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how
+tests/test_triton_attention.py checks them; the same test compiles them on a CUDA GPU when
+there is one. Not checked by that interpreter: bfloat16 (its bf16 tl.dot is wrong in Triton
+3.9), and the float8 path needs a GPU that converts e4m3 (sm_89 and later).
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ if triton is not None:
         k_ptr,
         v_ptr,
         o_ptr,
+        part_ptr,  # split-KV only: [T, Hq, splits, D] float32 partial outputs
+        lse_ptr,  # split-KV only: [T, Hq, splits] float32 log2-sum-exp of each split
         ks_ptr,
         vs_ptr,
         bt_ptr,
@@ -68,6 +81,8 @@ if triton is not None:
         qk_scale,  # scale * log2(e): the softmax runs in base 2
         window,
         block_size,
+        num_heads,
+        num_splits,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -88,9 +103,13 @@ if triton is not None:
         KV_CODES: tl.constexpr,  # 0 plain, 1 int8, 2 float8 e4m3 in uint8 storage
         USE_WINDOW: tl.constexpr,
         IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,  # decode only: axis 1 is the split of the keys, not a query tile
     ):
         seq = tl.program_id(0)
-        tile_start = tl.program_id(1) * BLOCK_Q
+        if SPLIT:
+            tile_start = 0
+        else:
+            tile_start = tl.program_id(1) * BLOCK_Q
         kv_head = tl.program_id(2)
 
         q_begin = tl.load(qsl_ptr + seq)
@@ -116,6 +135,12 @@ if triton is not None:
         k_lo = 0
         if USE_WINDOW:
             k_lo = tl.maximum(seq_len - q_len + tile_start - window + 1, 0)
+        if SPLIT:
+            # whole key tiles per split; the last splits of a short sequence are empty
+            split = tl.program_id(1)
+            chunk = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), num_splits), BLOCK_N) * BLOCK_N
+            k_lo = k_lo + split * chunk
+            k_hi = tl.minimum(k_lo + chunk, k_hi)
 
         m = tl.full((BLOCK_M,), -1e30, dtype=tl.float32)  # finite: a fully masked tile gives no NaN
         denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -162,8 +187,55 @@ if triton is not None:
 
         # Rows that saw no key (pad rows, padding of the tile) write zeros, not 0/0.
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        o_off = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        store_ok = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            at = ((q_begin + tok).to(tl.int64) * num_heads + head) * num_splits + tl.program_id(1)
+            tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], out, mask=store_ok)
+            lse = tl.where(denom > 0, m + tl.log2(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+            tl.store(lse_ptr + at, lse, mask=row_ok)
+        else:
+            o_off = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=store_ok)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ptr,
+        lse_ptr,
+        o_ptr,
+        qsl_ptr,
+        num_heads,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        # One program per (decode sequence, query head): weigh each split's partial output by
+        # its share of the softmax sum. Splits that saw no key (lse -inf) are never read.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        t = tl.load(qsl_ptr + seq)
+        has_token = tl.load(qsl_ptr + seq + 1) > t
+        # (bounds, not `& has_token`: the interpreter rejects a scalar-broadcast bool mask)
+        splits = tl.where(has_token, num_splits, 0)
+        dims = tl.where(has_token, HEAD_DIM, 0)
+        sp = tl.arange(0, SPLITS_PAD)
+        at = (t.to(tl.int64) * num_heads + head) * num_splits + sp
+        lse = tl.load(lse_ptr + at, mask=sp < splits, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+        total = tl.sum(w, 0)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        part = tl.load(
+            part_ptr + at[:, None] * HEAD_DIM + d[None, :],
+            mask=(lse > float("-inf"))[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        o_off = t.to(tl.int64) * stride_ot + head * stride_oh + d
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=d < dims)
 
 
 def _pow2(n: int) -> int:
@@ -185,6 +257,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_codes: str = "auto",
+    num_splits: int | None = None,
 ) -> None:
     """Attend every sequence's queries to its paged keys/values; writes `out` [T, Hq, D].
 
@@ -193,6 +266,11 @@ def paged_attention(
     [slots, Hkv] (value = code * scale); block_table [S, W], seq_lens [S] (keys after the step,
     0 = pad row: zeros out), query_start_loc [S + 1], all int64 on q's device. max_query_len
     (a host int) and S size the grid, nothing else does: safe to capture in a CUDA graph.
+
+    num_splits: decode-only calls (max_query_len == 1) may split each sequence's keys into that
+    many parts attended in parallel, then combined (flash-decoding): for few sequences with
+    long contexts, which would otherwise leave most of the GPU idle. None picks from S, Hkv
+    and the GPU's multiprocessor count (graph-safe: no tensor contents); 1 never splits.
     """
     if triton is None:
         raise RuntimeError("the Triton attention backend needs Triton (pip install triton)")
@@ -224,19 +302,33 @@ def paged_attention(
     num_seqs = block_table.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return
+    if num_splits is None:
+        num_splits = _auto_splits(num_seqs, num_kv_heads, max_query_len, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    split = num_splits > 1 and max_query_len == 1
 
     group = num_heads // num_kv_heads
-    block_m = max(16 if max_query_len == 1 else 64, _pow2(group))
-    block_q = block_m // group
     d_pad = max(16, _pow2(head_dim))
+    # float32 accumulators of BLOCK_M x D_PAD live in registers: fewer rows for wide heads
+    block_m = max(16 if max_query_len == 1 else (64 if d_pad <= 128 else 32), _pow2(group))
+    block_q = block_m // group
     block_n = 64 if d_pad <= 128 else 32
     scales = (k_scale, v_scale) if quantized else (key_cache, value_cache)  # unread if plain
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if split:
+        part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        grid = (num_seqs, num_splits, num_kv_heads)
+    else:
+        part = lse = out  # unread
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         key_cache,
         value_cache,
         out,
+        part,
+        lse,
         scales[0],
         scales[1],
         block_table,
@@ -245,6 +337,8 @@ def paged_attention(
         scale * _LOG2E,
         window or 0,
         block_size,
+        num_heads,
+        num_splits if split else 1,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -265,6 +359,39 @@ def paged_attention(
         KV_CODES=_KV_CODES[kv_codes],
         USE_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
+        SPLIT=split,
         num_warps=4,
         num_stages=2,
     )
+    if split:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part,
+            lse,
+            out,
+            query_start_loc,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            SPLITS_PAD=_pow2(num_splits),
+            num_warps=4,
+        )
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _auto_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Splits for a decode call: enough programs for about one per multiprocessor, at most 16
+    (each split writes float32 partials); none when the sequences alone fill the GPU."""
+    if max_query_len != 1 or device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if 2 * programs > _SM_COUNT[index]:
+        return 1
+    return min(16, _SM_COUNT[index] // programs)
