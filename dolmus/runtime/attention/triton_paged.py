@@ -18,8 +18,10 @@ have freed and reused) are never read, and stops after the tile's last query pos
 
 Quantized caches (int8 codes, or float8 e4m3 codes kept in uint8 storage, one scale per
 (token, KV head), as kv_store.QuantizedPagedKV stores them) are dequantized per tile in
-registers: keys and values cross memory at 8 bits. Float32 inputs multiply in IEEE float32
-(no TF32), so they match a float64 reference to ~1e-5; bf16/fp16 use the tensor cores.
+registers: keys and values cross memory at 8 bits. The codes convert exactly to the compute
+dtype and the per-key scales multiply the scores (keys) and the probabilities (values).
+Float32 inputs multiply in IEEE float32 (no TF32), so they match a float64 reference to ~1e-5;
+bf16/fp16 use the tensor cores.
 
 CUDA graphs: the grid is (S, cdiv(max_query_len, BLOCK_Q), Hkv), from host integers only, and
 everything else (lengths, starts, block ids) is read from tensors, so a graph captured at one
@@ -165,12 +167,16 @@ if triton is not None:
                 if KV_CODES == 2:
                     k = k.to(tl.float8e4nv, bitcast=True)
                     v = v.to(tl.float8e4nv, bitcast=True)
-                k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+                # codes are exact in the compute dtype (int8 and e4m3 fit bf16/fp16 mantissas);
+                # the scales go on the products: BLOCK_M x BLOCK_N multiplies, not BLOCK_N x D
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k))
+            if KV_CODES != 0:
+                qk = qk * k_s[None, :]
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
             if USE_WINDOW:
                 seen = seen & (j[None, :] > pos[:, None] - window)
@@ -179,6 +185,8 @@ if triton is not None:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(qk - m_new[:, None])
             denom = denom * alpha + tl.sum(p, 1)
+            if KV_CODES != 0:
+                p = p * v_s[None, :]
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
