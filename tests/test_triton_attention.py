@@ -125,6 +125,11 @@ SCRIPT = textwrap.dedent(
     run(decodes, 7, 1, 80, kind="int8", window=40, splits=4)
     run(decodes, 8, 1, 16, kind="fp8", splits=2, bs=8)
     run(mixed, 4, 2, 64, splits=4)  # prefill in the call: not split
+    # float8 decoded by bit moves (GPUs without e4m3 conversion), fp32 and fp16 compute
+    tp.FP8_DECODE = "bits"
+    run(mixed, 7, 1, 80, kind="fp8", window=16)
+    run(decodes, 4, 2, 64, dtype=torch.float16, kind="fp8", tol=2e-3, splits=2)
+    tp.FP8_DECODE = "auto"
 
     if dev.type == "cuda":
         # (not in the interpreter: its bf16 tl.dot returns garbage in Triton 3.9)
@@ -134,6 +139,9 @@ SCRIPT = textwrap.dedent(
             run(long, hq, hkv, dim, dtype=torch.bfloat16, kind="fp8", window=100, tol=2e-2)
         run(long, 32, 8, 128, dtype=torch.float16, kind="int8", tol=2e-3)
         run(long, 8, 2, 256, dtype=torch.bfloat16, tol=2e-2)
+        tp.FP8_DECODE = "bits"  # what GPUs before sm_89 run
+        run(long, 32, 8, 128, dtype=torch.bfloat16, kind="fp8", tol=2e-2)
+        tp.FP8_DECODE = "auto"
         # decode-only: split-KV when few sequences (the default picks splits), and unsplit
         few = [(4000, 1), (70, 1), (0, 1), (1500, 1)]
         for splits in (None, 1, 7):

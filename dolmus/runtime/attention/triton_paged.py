@@ -44,7 +44,8 @@ so it too is graph-safe; splits past a short sequence's keys read nothing.
 The same kernels run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how
 tests/test_triton_attention.py checks them; the same test compiles them on a CUDA GPU when
 there is one. Not checked by that interpreter: bfloat16 (its bf16 tl.dot is wrong in Triton
-3.9), and the float8 path needs a GPU that converts e4m3 (sm_89 and later).
+3.9). Float8 codes convert in hardware on sm_89 and later and by bit moves before
+(`FP8_DECODE`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ except ImportError:  # Triton ships with CUDA builds of PyTorch; CPU installs ma
     triton = None
 
 _KV_CODES = {"auto": 0, "int8": 1, "fp8": 2}
+_FP8_BITS = 3  # KV_CODES for float8 codes decoded by bit moves (GPUs before sm_89)
+# How float8 e4m3 codes become numbers: "auto" converts in hardware on sm_89 and later (and in
+# the interpreter) and by bit moves on older GPUs, which have no e4m3 conversion; "bits" or
+# "hardware" force one (the tests run both).
+FP8_DECODE = "auto"
 _LOG2E = 1.4426950408889634
 
 
@@ -66,6 +72,14 @@ def available() -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _e4m3_as_fp16(codes):
+        # float8 e4m3 bits s.eeee.mmm placed as float16 bits s.0eeee.mmm0000000: the same
+        # number divided by 2^8 (the exponent biases are 7 and 15), subnormals included; the
+        # caller multiplies the 2^8 back into the scales. No float8 hardware needed.
+        b = codes.to(tl.int16)  # uint8: zero-extended
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _paged_attention_kernel(
@@ -102,7 +116,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        KV_CODES: tl.constexpr,  # 0 plain, 1 int8, 2 float8 e4m3 in uint8 storage
+        KV_CODES: tl.constexpr,  # 0 plain, 1 int8, 2 float8 e4m3 in uint8 storage, 3 the same by bits
         USE_WINDOW: tl.constexpr,
         IEEE: tl.constexpr,
         SPLIT: tl.constexpr,  # decode only: axis 1 is the split of the keys, not a query tile
@@ -167,6 +181,11 @@ if triton is not None:
                 if KV_CODES == 2:
                     k = k.to(tl.float8e4nv, bitcast=True)
                     v = v.to(tl.float8e4nv, bitcast=True)
+                if KV_CODES == 3:
+                    k = _e4m3_as_fp16(k)
+                    v = _e4m3_as_fp16(v)
+                    k_s = k_s * 256.0
+                    v_s = v_s * 256.0
                 # codes are exact in the compute dtype (int8 and e4m3 fit bf16/fp16 mantissas);
                 # the scales go on the products: BLOCK_M x BLOCK_N multiplies, not BLOCK_N x D
                 k = k.to(q.dtype)
@@ -364,7 +383,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        KV_CODES=_KV_CODES[kv_codes],
+        KV_CODES=_FP8_BITS if kv_codes == "fp8" and _fp8_by_bits(q.device) else _KV_CODES[kv_codes],
         USE_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
         SPLIT=split,
@@ -389,6 +408,14 @@ def paged_attention(
 
 
 _SM_COUNT: dict[int, int] = {}
+
+
+def _fp8_by_bits(device: torch.device) -> bool:
+    if FP8_DECODE not in ("auto", "bits", "hardware"):
+        raise ValueError(f"FP8_DECODE must be 'auto', 'bits' or 'hardware', not {FP8_DECODE!r}")
+    if FP8_DECODE != "auto":
+        return FP8_DECODE == "bits"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
 def _auto_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
