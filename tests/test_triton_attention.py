@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
             if window is not None and L:
                 # blocks wholly before the first query's window may have been reused: poison
                 table[s, : max(L - n - window + 1, 0) // bs] = poison
-        nan_slots = poison * bs + torch.arange(bs)
+        nan_slots = (poison * bs + torch.arange(bs)).to(dev)
         if kind == "auto":
             store.data[:, nan_slots] = float("nan")
         else:
