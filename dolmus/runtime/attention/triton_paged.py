@@ -78,8 +78,9 @@ if triton is not None:
         # float8 e4m3 bits s.eeee.mmm placed as float16 bits s.0eeee.mmm0000000: the same
         # number divided by 2^8 (the exponent biases are 7 and 15), subnormals included; the
         # caller multiplies the 2^8 back into the scales. No float8 hardware needed.
-        b = codes.to(tl.int16)  # uint8: zero-extended
-        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        b = codes.to(tl.int32)  # uint8: zero-extended
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # < 2^16: the int16 cast keeps the bits
+        return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _paged_attention_kernel(
