@@ -63,6 +63,12 @@ SCRIPT = textwrap.dedent(
     graphs = runner.fused_decoder
     assert isinstance(graphs, CudaGraphDecoder), graphs
     assert graphs.sizes == [1, 2, 4, 6] and graphs.replays == 30, (graphs.sizes, graphs.replays)
+    # a real graph holds raw addresses: every tensor made for its metadata before capture must
+    # stay referenced by the decoder (a freed one was an illegal memory access on the GPU)
+    import gc, weakref
+    qsl = {{s: weakref.ref(c.meta.query_start_loc) for s, c in graphs._graphs.items()}}
+    gc.collect()
+    assert all(ref() is not None for ref in qsl.values())
     # the spare block padding rows write to is past every block the engine hands out
     assert runner.kv_caches[0].data.shape[1] == (runner.num_blocks + 1) * runner.block_size
     assert got == want, (got, want)

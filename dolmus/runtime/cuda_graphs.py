@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ from dolmus.runtime.attention import AttentionBackend
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_ROWS = 512  # past this a step's GPU time dwarfs its launches: eager is as fast
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], Any]
+    out: torch.Tensor  # the graph's output buffer
+    step: Callable[[], torch.Tensor]
+    meta: Any  # the attention metadata the graph reads (tensors made for it before capture)
 
 
 def graphs_emulated() -> bool:
@@ -81,7 +90,7 @@ class CudaGraphDecoder:
         self._table = torch.zeros(rows, block_table.shape[1], dtype=torch.long, device=device)
         self._copied: torch.cuda.Event | None = None
         self.replays = 0
-        self._graphs: dict[int, tuple[Callable[[], Any], torch.Tensor]] = {}
+        self._graphs: dict[int, _Captured] = {}
         self._pool = None
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -103,7 +112,10 @@ class CudaGraphDecoder:
                     torch.index_select(self.block_table, 0, seats[:size], out=table[:size])
                     return self.model(tokens[:size], positions[:size], self.kv_caches, meta)
 
-                self._graphs[size] = self._capture(step)
+                # the graph holds raw addresses: what it reads must outlive the capture (the
+                # metadata's own tensors included), so its record keeps the step and metadata
+                replay, out = self._capture(step)
+                self._graphs[size] = _Captured(replay, out, step, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -144,10 +156,10 @@ class CudaGraphDecoder:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        replay, out = self._graphs[size]
-        replay()
+        captured = self._graphs[size]
+        captured.replay()
         self.replays += 1
-        return out[:n]
+        return captured.out[:n]
 
 
 def build_cuda_graphs(
