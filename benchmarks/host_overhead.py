@@ -18,8 +18,11 @@ code in the engine) and every decode-only step at batch B is split into:
   schedule  Scheduler.schedule        update  Scheduler.update (append, stop checks)
   detok     IncrementalDetokenizer.add_tokens      outputs  Engine._make_output
   engine    the rest of Engine.step
-"host" is everything but model; "host-dev" also leaves out the sampler's argmax kernel
-(measured alone on the same logits shape), i.e. what a GPU would leave on the host.
+"host" is everything but model; "host-smp" also leaves out the sampler, whose greedy path is
+almost all its argmax kernel (printed alone on the same logits shape as "argmax"): that is
+device work on a GPU, so host-smp is what a GPU leaves on the host. "smp-cpu" is the same
+by this thread's CPU time (time.thread_time) rather than wall time: what to compare when other
+processes share the CPU (the parts are wall time, and the timers add ~0.5 us a call).
 The CPU pressure over each run (share of time some task waited for a CPU, from
 /proc/pressure/cpu) is printed, and runs over 5% are flagged as disturbed.
 
@@ -51,7 +54,8 @@ import torch
 
 CACHE = Path(os.environ.get("DOLMUS_BENCH_CACHE", Path.home() / ".cache" / "dolmus-bench"))
 SMOLLM_GGUF = (
-    Path(__file__).resolve().parents[2] / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+    Path(__file__).resolve().parents[2]
+    / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 )
 PROMPT_TOKENS, NEW_TOKENS = 100, 256
 PARTS = ("model", "sampler", "runner", "schedule", "update", "detok", "outputs", "engine")
@@ -145,13 +149,29 @@ class StepTimer:
         self._wrap(IncrementalDetokenizer, "add_tokens", "detok", on_class=True)
 
     def _wrap(
-        self, obj: Any, name: str, key: str, after: Callable[[Any], None] | None = None, on_class: bool = False
+        self,
+        obj: Any,
+        name: str,
+        key: str,
+        after: Callable[[Any], None] | None = None,
+        on_class: bool = False,
     ) -> None:
         original = getattr(obj, name)
         acc = self.acc
         clock = time.perf_counter
 
-        if on_class:
+        cpu = time.thread_time
+        if on_class and key == "sampler":  # one call a step: its CPU time as well
+
+            def timed(this: Any, *args: Any, **kwargs: Any) -> Any:
+                t, c = clock(), cpu()
+                try:
+                    return original(this, *args, **kwargs)
+                finally:
+                    acc[key] += clock() - t
+                    acc[key + "_cpu"] += cpu() - c
+
+        elif on_class:
 
             def timed(this: Any, *args: Any, **kwargs: Any) -> Any:
                 t = clock()
@@ -163,11 +183,12 @@ class StepTimer:
         else:
 
             def timed(*args: Any, **kwargs: Any) -> Any:
-                t = clock()
+                t, c = clock(), cpu()
                 try:
                     out = original(*args, **kwargs)
                 finally:
                     acc[key] += clock() - t
+                    acc[key + "_cpu"] += cpu() - c
                 if after is not None:
                     after(out)
                 return out
@@ -184,15 +205,19 @@ class StepTimer:
         def step() -> Any:
             self.acc.clear()
             self._batch = None
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             out = original()
             total = time.perf_counter() - t
+            total_cpu = time.thread_time() - c
             if self._batch is not None:
                 a = self.acc
                 parts = {k: a[k] for k in ("model", "sampler", "schedule", "update", "detok", "outputs")}
                 parts["runner"] = a["execute"] - a["model"] - a["sampler"]
-                parts["engine"] = total - a["execute"] - a["schedule"] - a["update"] - a["detok"] - a["outputs"]
+                parts["engine"] = (
+                    total - a["execute"] - a["schedule"] - a["update"] - a["detok"] - a["outputs"]
+                )
                 parts["total"] = total
+                parts["cpu"] = total_cpu - a["model_cpu"] - a["sampler_cpu"]
                 self.steps[self._batch].append(parts)
             return out
 
@@ -225,13 +250,15 @@ def argmax_ms(batch: int, vocab: int, reps: int = 50) -> float:
 
 def requests(batch: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS + rng.randrange(-8, 9))] for _ in range(batch)]
+    return [
+        [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS + rng.randrange(-8, 9))] for _ in range(batch)
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modules", action="store_true", help="decode through the modules, not the fused step")
     ap.add_argument("--profile", type=int, default=0, help="also profile one run at this batch (cProfile)")
     args = ap.parse_args()
@@ -254,10 +281,15 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate(requests(4, vocab, 0), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     path = "fused decode step" if runner.fused_decoder is not None else "modules"
-    print(f"torch {torch.__version__}, 1 thread, tokenizer vocab {vocab} ({type(llm.tokenizer).__name__}), {path}")
+    print(
+        f"torch {torch.__version__}, 1 thread, tokenizer vocab {vocab} "
+        f"({type(llm.tokenizer).__name__}), {path}"
+    )
     print("ms per decode-only step (mean over the steps at that batch; model excluded from host)")
     head = "".join(f"{p:>9}" for p in PARTS)
-    print(f"{'batch':>5}{'round':>6}{head}{'host':>9}{'host-dev':>9}  cpu pressure")
+    print(
+        f"{'batch':>5}{'round':>6}{head}{'host':>9}{'host-smp':>9}{'argmax':>9}{'smp-cpu':>9}  cpu pressure"
+    )
     for batch in batches:
         kernel = argmax_ms(batch, vocab)
         for r in range(args.rounds):
@@ -269,14 +301,12 @@ def main() -> None:
                 timer.close()
             assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
             steps = timer.steps[batch][2:]  # the first steps warm caches up
-            mean = {k: statistics.fmean(s[k] for s in steps) * 1e3 for k in (*PARTS, "total")}
+            mean = {k: statistics.fmean(s[k] for s in steps) * 1e3 for k in (*PARTS, "total", "cpu")}
             host = mean["total"] - mean["model"]
             flag = "  (disturbed)" if pressure.share > 0.05 else ""
-            cols = "".join(f"{mean[p]:>9.3f}" for p in PARTS)
-            print(
-                f"{batch:>5}{r:>6}{cols}{host:>9.3f}{host - kernel:>9.3f}  {pressure.share:.1%}{flag}",
-                flush=True,
-            )
+            values = [mean[p] for p in PARTS] + [host, host - mean["sampler"], kernel, mean["cpu"]]
+            cols = "".join(f"{v:>9.3f}" for v in values)
+            print(f"{batch:>5}{r:>6}{cols}  {pressure.share:.1%}{flag}", flush=True)
     if args.profile:
         prof = cProfile.Profile()
         prompts = requests(args.profile, vocab, 7)

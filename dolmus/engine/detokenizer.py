@@ -14,6 +14,7 @@ stream until it is clear they do not begin a stop string; a stop string is never
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dolmus.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
+        self._backend_decode = _backend_decoder(tokenizer)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -45,6 +47,8 @@ class IncrementalDetokenizer:
         self.num_consumed = 0  # of the last add_tokens call's tokens: all, or up to a stop string
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
@@ -96,3 +100,27 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+
+def _backend_decoder(tokenizer: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's own decode, where transformers' decode would only wrap it: a fast
+    tokenizer class that overrides neither decode nor _decode, and no clean-up of spaces. Then
+    the text is the same, without the wrapper's argument conversion (two decodes a token, at a
+    few microseconds each, is most of a batch's detokenization). None: go through transformers."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - both come with transformers
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        isinstance(backend, Tokenizer)
+        and isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    ):
+        return backend.decode
+    return None

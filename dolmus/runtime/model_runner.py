@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dolmus.config import (
@@ -416,7 +417,9 @@ class ModelRunner:
         decodes: list[tuple[str, _Sequence, int]] = []  # (request, its copy, context before the row)
         chunks: list[tuple[str, _Sequence, int]] = []  # (request, its copy, tokens in the chunk)
         for rid, seq, n in scheduled:
-            if n == 1 + len(drafts.get(rid, ())):
+            if n == 1 and not (drafts and rid in drafts):  # a plain decode: most rows, most steps
+                decodes.append((rid, seq, seq.num_computed_tokens))
+            elif n == 1 + len(drafts.get(rid, ())):
                 decodes.extend((rid, seq, seq.num_computed_tokens + i) for i in range(n))
             else:
                 chunks.append((rid, seq, n))
@@ -437,9 +440,13 @@ class ModelRunner:
                 self.drafter.follow(input_ids, positions, meta, spans)
 
         # The flat rows of each request's positions, in position order (the sort is stable).
-        rows_of: dict[str, list[int] | range] = {}
-        for i, (rid, _, _) in enumerate(decodes):
-            rows_of.setdefault(rid, []).append(i)
+        rows_of: dict[str, list[int] | range]
+        if drafts:
+            rows_of = {}
+            for i, (rid, _, _) in enumerate(decodes):
+                rows_of.setdefault(rid, []).append(i)
+        else:  # a row per request
+            rows_of = {rid: [i] for i, (rid, _, _) in enumerate(decodes)}
         offset = len(decodes)
         for rid, _, n in chunks:
             rows_of[rid] = range(offset, offset + n)
@@ -456,7 +463,16 @@ class ModelRunner:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens != len(seq.token_ids) or seq.params.pooling is not None:
                 continue  # a prefill chunk short of the prompt's end, or an embedding: no sample
-            k = len(drafts.get(rid, ()))
+            k = len(drafts[rid]) if drafts and rid in drafts else 0
+            if not k and not grammar_rows:  # the common row, without the general case's lists
+                sample_index.append(rows_of[rid][-1])
+                rows.append(
+                    SamplingRow(
+                        seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids
+                    )
+                )
+                ids.append(rid)
+                continue
             window = rows_of[rid][-(k + 1) :]
             # Every drafted position is sampled as if its drafts were the request's own tokens.
             for i in range(k + 1):
@@ -482,6 +498,15 @@ class ModelRunner:
         # Windows of drafts sampled from the draft model's distribution are verified by
         # rejection sampling; every other row is sampled, and its drafts checked against that.
         sampled_drafts = self._draft_probs
+        if not drafts and not sampled_drafts and self.medusa is None and self.eagle is None:
+            # a row per request, no window to check, no head to feed
+            for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
+                result.sampled[rid] = [sampled.token_id]
+                if sampled.logprobs is not None:
+                    result.logprobs[rid] = [sampled.logprobs]
+                self.sequences[rid].token_ids.append(sampled.token_id)
+            self._draft_probs = {}
+            return result
         plain = [i for i, rid in enumerate(ids) if rid not in sampled_drafts]
         chosen = []
         if plain:
@@ -582,17 +607,24 @@ class ModelRunner:
     def _fused_decode(self, decoder: FusedDecoder, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
         """The final hidden states of one token per row (a sequence and the context before
         its token), by a fused decode step (the target's or the draft model's)."""
+        # In numpy, over the block table's shared memory: each of these small operations costs
+        # a microsecond there and several as a torch op, and a step at batch 64 does a dozen.
         bs = self.block_size
+        n = len(rows)
+        cols = np.empty((5, n), dtype=np.int64)  # tokens, positions, table rows, slots, lengths
+        cols[0] = [seq.token_ids[c] for seq, c in rows]
         context = [ctx for _, ctx in rows]
-        positions = torch.tensor(context)
-        tokens = torch.tensor([seq.token_ids[c] for seq, c in rows])
-        table_rows = torch.tensor([seq.row for seq, _ in rows])
+        positions = cols[1]
+        positions[:] = context
+        cols[2] = [seq.row for seq, _ in rows]
+        np.add(positions, 1, out=cols[4])
+        tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
         if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
-            slots = self.block_table[table_rows, positions // bs] * bs + positions % bs
-            return decoder.run(tokens, positions, slots, table_rows, positions + 1)
-        table = self.block_table[table_rows, : max(context) // bs + 1]  # a contiguous copy
-        slots = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        return decoder.run(tokens, positions, slots, table, positions + 1)
+            np.add(self.block_table.numpy()[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
+            return decoder.run(tokens, positions_t, slots, table_rows, lengths)
+        table = self.block_table.numpy()[cols[2], : max(context) // bs + 1]  # a contiguous copy
+        np.add(table[np.arange(n), positions // bs] * bs, positions % bs, out=cols[3])
+        return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
 
     @torch.inference_mode()
     def prompt_logits(
