@@ -124,3 +124,27 @@ def test_the_stop_token_is_in_the_ids_not_the_text(tok) -> None:
     )  # fmt: skip
     out = llm.generate([prompt], shown)[0].outputs[0]
     assert out.text == tok.decode(ids[: ids.index(stop_id) + 1], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_rust_decode_shortcut_gives_transformers_text(tok, skip_special: bool) -> None:
+    """The detokenizer calls the Rust tokenizer's decode directly where transformers' decode
+    only wraps it: random token streams (stray bytes, special tokens) stream the same deltas
+    either way."""
+    import random
+
+    from dolmus.engine import detokenizer
+
+    assert detokenizer._backend_decoder(tok) is not None  # the shortcut is taken for this tokenizer
+    rng = random.Random(3)
+    params = SamplingParams(skip_special_tokens=skip_special, stop=["ab"])
+    for _ in range(5):
+        prompt = [rng.randrange(len(tok)) for _ in range(7)]
+        ids = [rng.randrange(len(tok)) for _ in range(120)]
+        streams = []
+        for shortcut in (True, False):
+            detok = IncrementalDetokenizer(tok, prompt, params)
+            if not shortcut:
+                detok._backend_decode = None
+            streams.append([(detok.add_tokens([t]), detok.take_delta(False)) for t in ids])
+        assert streams[0] == streams[1]
