@@ -28,6 +28,7 @@ The CPU pressure over each run (share of time some task waited for a CPU, from
 
     python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 2] [--modules]
                                        [--profile 64]   # cProfile top functions at that batch
+    py-spy record -r 1000 --format raw -o out.txt -- python benchmarks/host_overhead.py --bare
 """
 
 from __future__ import annotations
@@ -261,6 +262,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modules", action="store_true", help="decode through the modules, not the fused step")
     ap.add_argument("--profile", type=int, default=0, help="also profile one run at this batch (cProfile)")
+    ap.add_argument(
+        "--bare", action="store_true", help="no timers: only run the batches (under py-spy record)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -291,6 +295,10 @@ def main() -> None:
         f"{'batch':>5}{'round':>6}{head}{'host':>9}{'host-smp':>9}{'argmax':>9}{'smp-cpu':>9}  cpu pressure"
     )
     for batch in batches:
+        if args.bare:
+            for r in range(args.rounds):
+                llm.generate(requests(batch, vocab, 1000 * r + batch), params)
+            continue
         kernel = argmax_ms(batch, vocab)
         for r in range(args.rounds):
             timer = StepTimer(llm)

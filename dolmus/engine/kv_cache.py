@@ -263,6 +263,8 @@ class KVCacheManager:
         if self.window is not None and cached:
             first_read = request.num_computed_tokens + len(cached) * self.block_size - self.window + 1
             behind = max(first_read, 0) // self.block_size
+        if not cached:  # a running request: no hits to count (most calls, every step)
+            return max(needed, 0)
         idle_hits = sum(1 for b in cached[behind:] if b.ref_cnt == 0)
         return max(needed, 0) + idle_hits
 

@@ -62,13 +62,15 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None
     ) -> list[Sampled]:
         """logits: [len(rows), vocab] in the model's dtype; bitmask: int32 rows for `grammar_row`s."""
-        want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = None
-        plain_greedy = all(
-            r.params.greedy and not r.params.has_penalties and r.num_output_tokens >= r.params.min_tokens
-            for r in rows
+        # Each distinct settings object checked once: a batch mostly shares a few (one per
+        # generate call or API client setting), and these checks ran per row per step.
+        params = {id(r.params): r.params for r in rows}.values()
+        plain_greedy = all(p.greedy and not p.has_penalties and p.logprobs is None for p in params) and (
+            not any(p.min_tokens for p in params)
+            or all(r.num_output_tokens >= r.params.min_tokens for r in rows)
         )
-        if plain_greedy and all(k is None for k in want_logprobs):
+        if plain_greedy:
             # Fast path: no float copy of a [batch, vocab] tensor. (max's indices are argmax's,
             # first index on ties, at ~2.3x the speed on bf16 CPU rows.)
             token_list = logits.max(dim=-1).indices.tolist()
@@ -76,6 +78,7 @@ class Sampler:
             # a copy even of float32 logits: processors work in place, and the caller's rows
             # must stay raw (grammar redraws and logprobs read them again)
             processed = logits.to(torch.float32, copy=True)
+            want_logprobs = [r.params.logprobs for r in rows]
             if any(k is not None for k in want_logprobs):
                 raw_logprobs = torch.log_softmax(processed, dim=-1)
             token_list = self._choose(processed, rows)
