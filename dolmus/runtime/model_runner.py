@@ -646,6 +646,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat input ids and positions, and the backend's metadata, for the ordered entries
         (a sequence, the context before the entry's tokens, how many tokens)."""
+        # The index arithmetic in numpy over the (CPU) block table's memory: its small operations
+        # cost a microsecond where torch's cost several, and a step does over a dozen.
         bs = self.block_size
         tokens: list[int] = []
         for seq, ctx, n in ordered:
@@ -653,22 +655,32 @@ class ModelRunner:
                 tokens.append(seq.token_ids[ctx])
             else:
                 tokens.extend(seq.token_ids[ctx : ctx + n])
-        query_lens = torch.tensor([n for _, _, n in ordered], dtype=torch.long)
-        context_lens = torch.tensor([ctx for _, ctx, _ in ordered], dtype=torch.long)
-        # Position of each token: its sequence's context length plus its offset in the chunk.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(ordered)), query_lens)
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        positions = context_lens[seq_of_token] + torch.arange(len(tokens)) - starts[seq_of_token]
+        query_lens = np.array([n for _, _, n in ordered], dtype=np.int64)
+        context_lens = np.array([ctx for _, ctx, _ in ordered], dtype=np.int64)
+        if len(tokens) == len(ordered):  # one token per sequence: at its context length
+            seq_of_token = np.arange(len(ordered))
+            positions = context_lens.copy()
+        else:  # each token at its sequence's context length plus its offset in the chunk
+            seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
+            starts = np.cumsum(query_lens) - query_lens
+            positions = context_lens[seq_of_token] + np.arange(len(tokens)) - starts[seq_of_token]
         width = int((context_lens + query_lens).max()) // bs + 1
         if table is None:
-            rows = torch.tensor([seq.row for seq, _, _ in ordered], dtype=torch.long)
-            table = self.block_table[rows, : min(width, self.max_blocks_per_seq)]
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
-        layout = BatchLayout(num_decodes, query_lens, context_lens, table, slots, bs)
+            rows = np.array([seq.row for seq, _, _ in ordered], dtype=np.int64)
+            table = torch.from_numpy(self.block_table.numpy()[rows, : min(width, self.max_blocks_per_seq)])
+        slots = table.numpy()[seq_of_token, positions // bs] * bs + positions % bs
+        layout = BatchLayout(
+            num_decodes,
+            torch.from_numpy(query_lens),
+            torch.from_numpy(context_lens),
+            table,
+            torch.from_numpy(slots),
+            bs,
+        )
         meta = self.attention.build_metadata(layout, self.device, self.dtype)
         return (
             torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions.to(self.device),
+            torch.from_numpy(positions).to(self.device),
             meta,
         )
 
