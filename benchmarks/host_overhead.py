@@ -18,6 +18,7 @@ code in the engine) and every decode-only step at batch B is split into:
   schedule  Scheduler.schedule        update  Scheduler.update (append, stop checks)
   detok     IncrementalDetokenizer.add_tokens      outputs  Engine._make_output
   engine    the rest of Engine.step
+  gc        cyclic garbage collections (inside the parts above, whose times include them)
 "host" is everything but model; "host-smp" also leaves out the sampler, whose greedy path is
 almost all its argmax kernel (printed alone on the same logits shape as "argmax"): that is
 device work on a GPU, so host-smp is what a GPU leaves on the host. "smp-cpu" is the same
@@ -40,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -59,7 +61,7 @@ SMOLLM_GGUF = (
     / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 )
 PROMPT_TOKENS, NEW_TOKENS = 100, 256
-PARTS = ("model", "sampler", "runner", "schedule", "update", "detok", "outputs", "engine")
+PARTS = ("model", "sampler", "runner", "schedule", "update", "detok", "outputs", "engine", "gc")
 
 
 def model_dir() -> Path:
@@ -148,6 +150,16 @@ class StepTimer:
             self._wrap(runner.fused_decoder, "run", "model")
         self._wrap(Sampler, "__call__", "sampler", on_class=True)
         self._wrap(IncrementalDetokenizer, "add_tokens", "detok", on_class=True)
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+        self._undo.append(lambda: gc.callbacks.remove(self._on_gc))
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """Cyclic garbage collections, which run inside whatever part allocated last."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.acc["gc"] += time.perf_counter() - self._gc_start
 
     def _wrap(
         self,
@@ -212,7 +224,9 @@ class StepTimer:
             total_cpu = time.thread_time() - c
             if self._batch is not None:
                 a = self.acc
-                parts = {k: a[k] for k in ("model", "sampler", "schedule", "update", "detok", "outputs")}
+                parts = {
+                    k: a[k] for k in ("model", "sampler", "schedule", "update", "detok", "outputs", "gc")
+                }
                 parts["runner"] = a["execute"] - a["model"] - a["sampler"]
                 parts["engine"] = (
                     total - a["execute"] - a["schedule"] - a["update"] - a["detok"] - a["outputs"]
