@@ -479,15 +479,18 @@ class Engine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
+        finished = True
         for i, (req, detok) in enumerate(zip(group.children, group.detoks)):
-            done = req.status.finished
+            status = req.status
+            done = status.finished
+            finished = finished and done
             delta = detok.take_delta(done)
             completions.append(
                 CompletionOutput(
                     index=i,
                     text=detok.text[: detok.emitted],  # held-back characters are not out yet
                     token_ids=list(req.output_token_ids),
-                    finish_reason=req.status.value if done else None,
+                    finish_reason=status.value if done else None,
                     stop_reason=req.stop_reason,
                     logprobs=req.logprobs,
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
@@ -501,7 +504,7 @@ class Engine:
             prompt=group.prompt,
             prompt_token_ids=group.prompt_ids,
             outputs=completions,
-            finished=all(c.status.finished for c in group.children),
+            finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             kv_transfer_params=first.kv_transfer_out,
             embedding=first.embedding,
