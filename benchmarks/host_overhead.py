@@ -27,9 +27,11 @@ processes share the CPU (the parts are wall time, and the timers add ~0.5 us a c
 The CPU pressure over each run (share of time some task waited for a CPU, from
 /proc/pressure/cpu) is printed, and runs over 5% are flagged as disturbed.
 
-    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 2] [--modules]
+    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 3] [--modules]
                                        [--profile 64]   # cProfile top functions at that batch
     py-spy record -r 1000 --format raw -o out.txt -- python benchmarks/host_overhead.py --bare
+Two versions of the engine compare by running this script with PYTHONPATH at each checkout in
+turn (interleaved, several times; the minimum per column is the least disturbed).
 """
 
 from __future__ import annotations
