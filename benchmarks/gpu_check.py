@@ -275,6 +275,7 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
             f"batch {count} decode step {step_s * 1e3:.2f} ms: {parts}, "
             f"rest (outputs, detokenizer) {rest * 1e3:.2f} ms"
         )
+    gpu_work(ctx, engine, count, steps, step_s)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -304,6 +305,41 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
         f"GPU busy {share:.0%} of each step, host-only {host * 1e3:.2f} ms per step "
         f"(step {step_s * 1e3:.2f} ms)",
         f"S5 b{count} step {step_s * 1e3:.2f} ms: GPU busy {share:.0%}, host-only {host * 1e3:.2f} ms",
+    )
+
+
+def gpu_work(ctx: Ctx, engine, count: int, steps: int, step_s: float) -> None:
+    """The GPU time of a decode step's work alone: the captured graph of the step's size
+    replayed back to back (its inputs as the last step left them: the same keys rewritten to the
+    same slots), then the logits and argmax, timed with CUDA events; against the engine's whole
+    step, the rest is the GPU waiting on the host."""
+    runner = getattr(engine.executor, "runner", None)
+    graphs = getattr(runner, "fused_decoder", None)
+    if ctx.device.type != "cuda" or graphs is None or not hasattr(graphs, "_graphs"):
+        say("(no graphed decode step to time alone)")
+        return
+    size = next(s for s in graphs.sizes if s >= count)
+    captured = graphs._graphs[size]
+
+    def work() -> None:
+        captured.replay()
+        runner.model.compute_logits(captured.out[:count]).max(dim=-1)
+
+    for _ in range(3):
+        work()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        work()
+    end.record()
+    end.synchronize()
+    gpu_s = start.elapsed_time(end) / 1e3 / steps
+    idle = max(0.0, 1 - gpu_s / step_s)
+    say(
+        f"GPU work of a batch-{count} decode step alone (graph of {size} rows + logits + argmax): "
+        f"{gpu_s * 1e3:.3f} ms; the engine's step {step_s * 1e3:.3f} ms: the GPU idles {idle:.0%} of it",
+        f"S5 b{count} GPU work {gpu_s * 1e3:.3f} ms of a {step_s * 1e3:.3f} ms step (GPU idle {idle:.0%})",
     )
 
 

@@ -359,7 +359,7 @@ class ModelRunner:
     def _append_blocks(self, seq: _Sequence, block_ids: list[int]) -> None:
         if block_ids:
             end = seq.num_blocks + len(block_ids)
-            self.block_table[seq.row, seq.num_blocks : end] = torch.tensor(block_ids, dtype=torch.long)
+            self.block_table.numpy()[seq.row, seq.num_blocks : end] = block_ids  # no tensor per call
             if self.block_table_dev is not None:
                 self._table_updates.append((seq.row, seq.num_blocks, block_ids))
             seq.num_blocks = end
