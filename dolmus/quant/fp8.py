@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from dolmus.quant import triton_kernels
 from dolmus.quant.on_load import QuantizeOnLoad
 from dolmus.quant.state import Fp8State
+from dolmus.quant.triton_kernels import fp8_quantize_rows
 from dolmus.runtime.layers.linear import Linear
 
 
@@ -31,7 +33,8 @@ class Fp8WeightOnlyMethod(QuantizeOnLoad):
         state: Fp8State = layer.method_state  # type: ignore[assignment]
         flat = self.flat(x)
         if state.scaled_mm:
-            x_codes, x_scale = fp8_quantize(flat.float())
+            rows_ok = triton_kernels.available() and flat.stride(-1) == 1 and flat.shape[-1] <= 65536
+            x_codes, x_scale = fp8_quantize_rows(flat) if rows_ok else fp8_quantize(flat.float())
             y = torch._scaled_mm(
                 x_codes,
                 state.codes.T,

@@ -124,6 +124,32 @@ def weight_only_matmul(
     return y
 
 
+if triton is not None:
+
+    @triton.jit
+    def _fp8_rows_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+        codes = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as float8 e4m3 codes and float32 scales (row max -> 448), in one
+    launch: what quant/fp8.py's fp8_quantize computes in six PyTorch ops, for activations."""
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = 1 << max(k - 1, 0).bit_length()
+        _fp8_rows_kernel[(m,)](x, codes, scale, x.stride(0), codes.stride(0), k, BLOCK=block, num_warps=8)
+    return codes, scale
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes in 0..15 -> [N, K/2] uint8, input 2j low, 2j + 1 high."""
     c = codes.to(torch.uint8)

@@ -19,7 +19,7 @@ from dolmus.runtime.attention import AttentionBackend
 from dolmus.runtime.draft_model import DraftModel
 from dolmus.runtime.eagle_drafter import EagleDrafter
 from dolmus.runtime.layers.linear_method import LinearMethod
-from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS, LayerOps
+from dolmus.runtime.layers.ops import LayerOps
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.medusa_drafter import MedusaDrafter
 from dolmus.runtime.models.deepseek_mtp import load_mtp
@@ -40,11 +40,7 @@ class Target:
     dtype: torch.dtype
     device: torch.device
     attention: AttentionBackend
-    native_kernels: bool
-
-    @property
-    def ops(self) -> LayerOps:
-        return NATIVE_OPS if self.native_kernels else TORCH_OPS
+    ops: LayerOps  # the target's small-kernel table (runtime/layers/ops.py), drafters take it too
 
     def head_method(self) -> LinearMethod:
         """Heads keep their weights as stored (unquantized, not prepacked)."""

@@ -34,8 +34,10 @@ from dolmus.runtime.cuda_graphs import CudaGraphDecoder, build_cuda_graphs, grap
 from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
+from dolmus.runtime.layers import triton_ops
 from dolmus.runtime.layers.linear import Linear, module_bytes
-from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS
+from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS, LayerOps
+from dolmus.runtime.layers.triton_ops import TRITON_OPS
 from dolmus.runtime.layers.unquantized import TilePackedWeight
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.models.llama_decode import FusedDecoder
@@ -155,12 +157,12 @@ class ModelRunner:
             max_model_len,
             progress=progress,
             parallel=parallel,
-            ops=NATIVE_OPS if self.native_kernels else TORCH_OPS,
+            ops=self._layer_ops(),
             int8_block_activations=config.gguf_activations == "int8",
         )
         spec = config.speculative_config
         target = Target(
-            config, model_config, self.model, model_path, dtype, device, self.attention, self.native_kernels
+            config, model_config, self.model, model_path, dtype, device, self.attention, self._layer_ops()
         )
         drafters = load_drafters(spec, target, max_model_len)
         self.drafter, self.medusa = drafters.draft, drafters.medusa
@@ -264,6 +266,13 @@ class ModelRunner:
                 "one with AVX2, a C compiler and native_kernels on"
             )
         return name
+
+    def _layer_ops(self) -> LayerOps:
+        """Our C kernels on the CPU; our Triton ones with the Triton attention backend (CUDA,
+        or Triton's interpreter in tests); else PyTorch's ops."""
+        if self.config.native_kernels and self.attention.name == "triton" and triton_ops.available():
+            return TRITON_OPS
+        return NATIVE_OPS if self.native_kernels else TORCH_OPS
 
     def _cuda_graphs(self, rows: int) -> CudaGraphDecoder | None:
         """Decode steps from CUDA graphs, or None (logged) where the model cannot be captured."""
