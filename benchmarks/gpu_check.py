@@ -343,7 +343,7 @@ def gpu_work(ctx: Ctx, engine, count: int, steps: int, step_s: float) -> None:
     )
 
 
-def _nccl_rank(port: int, out: dict) -> None:
+def _nccl_rank(_index: int, port: int, out: dict) -> None:
     from dolmus.distributed.process_group import join_process_group, leave_process_group
 
     join_process_group(0, 1, 0, 1, "127.0.0.1", port, torch.device("cuda", 0), 60)
