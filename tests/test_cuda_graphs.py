@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from dolmus.runtime.block_table import BlockTable
 from dolmus.runtime.cuda_graphs import graph_sizes
 
 pytest.importorskip("triton")
@@ -29,6 +32,23 @@ def test_graph_ladder() -> None:
     assert all(b - a <= 8 for a, b in zip(big, big[1:]))  # at most 7 padding rows
     with pytest.raises(ValueError):
         graph_sizes(0)
+
+
+def test_block_table_device_copy_follows_the_diff() -> None:
+    table = BlockTable(2, 6)
+    copy = table.mirror(torch.device("cpu"))
+    a, b = table.take_seat(), table.take_seat()
+    table.append(a, 0, [5, 7])
+    table.append(b, 0, [1])
+    table.append(a, 2, [9])
+    assert not torch.equal(copy, table.cpu)  # nothing sent before the step's flush
+    table.flush()
+    assert torch.equal(copy, table.cpu) and copy.data_ptr() != table.cpu.data_ptr()
+    table.free_seat(a)
+    assert table.take_seat() == a and not table.grew
+    table.take_seat()  # a third request on two seats: the table grows, the copy graphs read goes
+    assert table.grew and table.device_copy is None and table.cpu.shape == (4, 6)
+    assert table.rows[a, :3].tolist() == [5, 7, 9]
 
 
 SCRIPT = textwrap.dedent(

@@ -18,27 +18,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dolmus.config import (
-    AMX_CPU_BATCHED_TOKENS,
-    EngineConfig,
-    ModelConfig,
-)
+from dolmus.config import EngineConfig, ModelConfig
 from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.kv_connector.worker_side import make_worker_connector
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import make_kv_store
-from dolmus.runtime.attention.triton_backend import usable as triton_usable
+from dolmus.runtime.block_table import BlockTable
 from dolmus.runtime.cuda_graphs import CudaGraphDecoder, build_cuda_graphs, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
+from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suited_step_tokens
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
-from dolmus.runtime.layers import triton_ops
-from dolmus.runtime.layers.linear import Linear, module_bytes
-from dolmus.runtime.layers.ops import NATIVE_OPS, TORCH_OPS, LayerOps
-from dolmus.runtime.layers.triton_ops import TRITON_OPS
-from dolmus.runtime.layers.unquantized import TilePackedWeight
+from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.pooler import Pooler
@@ -139,7 +132,11 @@ class ModelRunner:
                 or (dtype == torch.float32 and native.avx2_library() is not None)
             )
         )
-        self.attention: AttentionBackend = get_backend(self._attention_backend_name())
+        latent = model_config.kv_layout(self.num_kv_heads)[2] is not None
+        self.attention: AttentionBackend = get_backend(
+            attention_backend_name(config, device, self.native_kernels, latent)
+        )
+        ops = layer_ops(config, self.attention.name, self.native_kernels)
         self.model = load_model(
             model_path,
             model_config,
@@ -157,13 +154,11 @@ class ModelRunner:
             max_model_len,
             progress=progress,
             parallel=parallel,
-            ops=self._layer_ops(),
+            ops=ops,
             int8_block_activations=config.gguf_activations == "int8",
         )
         spec = config.speculative_config
-        target = Target(
-            config, model_config, self.model, model_path, dtype, device, self.attention, self._layer_ops()
-        )
+        target = Target(config, model_config, self.model, model_path, dtype, device, self.attention, ops)
         drafters = load_drafters(spec, target, max_model_len)
         self.drafter, self.medusa = drafters.draft, drafters.medusa
         self.eagle = drafters.eagle  # an EAGLE-3 head, or DeepSeek-V3's MTP layer (drafting alike)
@@ -195,7 +190,7 @@ class ModelRunner:
                 extra.allocate(config.kv_cache_dtype, slots, self.block_size, dtype, device)
         self.weight_bytes = module_bytes(self.model)
         self.expert_load = ExpertLoad.of(self.model, model_config.num_layers)  # None: no MoE layers
-        self.step_tokens = self._suited_step_tokens(device)
+        self.step_tokens = suited_step_tokens(self.model, device)
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
         self.fused_decoder = None
@@ -218,17 +213,13 @@ class ModelRunner:
         self._draft_probs: dict[str, list[torch.Tensor]] = {}  # this step's sampled drafts' q rows
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.block_table = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.long)
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         self.sequences: dict[str, _Sequence] = {}
         self.pooler = Pooler()  # embedding requests' running sums (runtime/pooler.py)
         pools = list(self.kv_caches)  # every pool that shares the block ids moves with a block
         pools += self.drafter.kv_caches if self.drafter is not None else []
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
         self.kv_connector = make_worker_connector(config, model_path, dtype, device, parallel, pools)
-        # the block table's device copy, updated from each step's diff, that CUDA graphs read
-        self.block_table_dev: torch.Tensor | None = None
-        self._table_updates: list[tuple[int, int, list[int]]] = []  # (seat, column, blocks)
         if self.graphs_wanted:
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             self.fused_decoder = self._cuda_graphs(rows)
@@ -247,68 +238,26 @@ class ModelRunner:
             spec.local_ranks,
         )
 
-    def _attention_backend_name(self) -> str:
-        name = self.config.attention_backend
-        latent = self.model_config.kv_layout(self.num_kv_heads)[2] is not None
-        if name == "auto":
-            if self.native_kernels:
-                return "native"
-            if self.device.type == "cuda" and not latent and triton_usable(self.device) is None:
-                return "triton"
-            return "torch"
-        if name == "triton":
-            why = triton_usable(self.device) or (latent and "it does not take latent (MLA) caches")
-            if why:
-                raise ValueError(f"attention_backend triton cannot run here: {why}")
-        if name == "native" and not self.native_kernels:
-            raise ValueError(
-                "attention_backend native needs bf16 on an x86-64 CPU with AVX-512 BF16 or float32 on "
-                "one with AVX2, a C compiler and native_kernels on"
-            )
-        return name
-
-    def _layer_ops(self) -> LayerOps:
-        """Our C kernels on the CPU; our Triton ones with the Triton attention backend (CUDA,
-        or Triton's interpreter in tests); else PyTorch's ops."""
-        if self.config.native_kernels and self.attention.name == "triton" and triton_ops.available():
-            return TRITON_OPS
-        return NATIVE_OPS if self.native_kernels else TORCH_OPS
-
     def _cuda_graphs(self, rows: int) -> CudaGraphDecoder | None:
         """Decode steps from CUDA graphs, or None (logged) where the model cannot be captured."""
         why = None
-        self.block_table_dev = self.block_table.to(self.device, copy=True)
         if self.expert_load is not None:
             why = "Mixture-of-Experts layers group tokens by expert on the host"
         elif self.eagle is not None:
             why = "an EAGLE-3 or MTP head reads hidden states the graphs do not keep"
         if why:
             logger.info("CUDA graphs: off (%s)", why)
-            self.block_table_dev = None
             return None
         return build_cuda_graphs(
             self.model,
             self.kv_caches,
             self.attention,
-            self.block_table_dev,
+            self.table.mirror(self.device),  # the graphs read the table there, by seat
             rows,
             self.block_size,
             self.num_blocks * self.block_size,
             self.device,
         )
-
-    def _suited_step_tokens(self, device: torch.device) -> int | None:
-        """2048 on a CPU where every linear layer runs on the AMX tile kernel, whose cost per
-        row stays flat to 2048 rows and beyond (bf16_gemm.c); a larger budget there gave a better
-        TTFT p99 at 8 and 32 users with the same throughput and ITL. Elsewhere None (the
-        device's default): oneDNN's products, the quantized kernels and PyTorch's ops slowed
-        down past ~512 rows (a 32-prompt prefill 1.2-1.6x slower at 2048 than at 512)."""
-        if device.type != "cpu":
-            return None
-        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        if linears and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
-            return AMX_CPU_BATCHED_TOKENS
-        return None
 
     # -- the persistent batch -----------------------------------------------------------
 
@@ -326,32 +275,15 @@ class ModelRunner:
             seq = self.sequences[rid]
             self._append_blocks(seq, blocks)
             seq.num_computed_tokens = computed
-        if self._table_updates:
-            self._update_device_table()
-
-    def _update_device_table(self) -> None:
-        """The diff's new blocks into the device copy of the block table: one copy, one scatter."""
-        width = self.block_table.shape[1]
-        where, blocks = [], []
-        for seat, column, ids in self._table_updates:
-            where.extend(range(seat * width + column, seat * width + column + len(ids)))
-            blocks.extend(ids)
-        self._table_updates.clear()
-        pairs = torch.tensor([where, blocks], dtype=torch.long, pin_memory=self.device.type == "cuda")
-        pairs = pairs.to(self.device, non_blocking=True)
-        self.block_table_dev.view(-1).index_copy_(0, pairs[0], pairs[1])  # type: ignore[union-attr]
+        self.table.flush()
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.sequences:
             raise ValueError(f"step plan: request {new.request_id!r} is already held by the runner")
-        if not self._free_rows:  # more held requests than seats: grow rather than fail
-            grown = self.block_table.shape[0]
-            self.block_table = torch.cat((self.block_table, torch.zeros_like(self.block_table)))
-            self._free_rows = list(range(2 * grown - 1, grown - 1, -1))
-            if self.block_table_dev is not None:  # captured graphs read the old table: eager on
-                logger.warning("CUDA graphs: off (more requests held than max_num_seqs seats)")
-                self.block_table_dev, self.fused_decoder = None, None
-                self._table_updates.clear()
+        row = self.table.take_seat()
+        if self.table.grew and isinstance(self.fused_decoder, CudaGraphDecoder):
+            logger.warning("CUDA graphs: off (more requests held than max_num_seqs seats)")
+            self.fused_decoder = None  # the graphs read the table the growth replaced
         seq = _Sequence(
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
@@ -359,7 +291,7 @@ class ModelRunner:
             seed=new.seed,
             stop_token_ids=list(new.stop_token_ids),
             num_blocks=0,
-            row=self._free_rows.pop(),
+            row=row,
             num_computed_tokens=new.num_computed_tokens,
         )
         self._append_blocks(seq, new.block_ids)
@@ -368,15 +300,13 @@ class ModelRunner:
     def _append_blocks(self, seq: _Sequence, block_ids: list[int]) -> None:
         if block_ids:
             end = seq.num_blocks + len(block_ids)
-            self.block_table.numpy()[seq.row, seq.num_blocks : end] = block_ids  # no tensor per call
-            if self.block_table_dev is not None:
-                self._table_updates.append((seq.row, seq.num_blocks, block_ids))
+            self.table.append(seq.row, seq.num_blocks, block_ids)
             seq.num_blocks = end
 
     def _drop(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
-            self._free_rows.append(seq.row)
+            self.table.free_seat(seq.row)
         self.pooler.forget(request_id)
         for extra in (self.drafter, self.eagle, self.medusa):
             if extra is not None:
@@ -629,9 +559,9 @@ class ModelRunner:
         np.add(positions, 1, out=cols[4])
         tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
         if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
-            np.add(self.block_table.numpy()[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
+            np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
             return decoder.run(tokens, positions_t, slots, table_rows, lengths)
-        table = self.block_table.numpy()[cols[2], : max(context) // bs + 1]  # a contiguous copy
+        table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
         np.add(table[np.arange(n), positions // bs] * bs, positions % bs, out=cols[3])
         return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
 
@@ -676,7 +606,7 @@ class ModelRunner:
         width = int((context_lens + query_lens).max()) // bs + 1
         if table is None:
             rows = np.array([seq.row for seq, _, _ in ordered], dtype=np.int64)
-            table = torch.from_numpy(self.block_table.numpy()[rows, : min(width, self.max_blocks_per_seq)])
+            table = torch.from_numpy(self.table.rows[rows, : min(width, self.max_blocks_per_seq)])
         slots = table.numpy()[seq_of_token, positions // bs] * bs + positions % bs
         layout = BatchLayout(
             num_decodes,
