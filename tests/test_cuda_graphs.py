@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from dolmus.runtime.block_table import BlockTable
