@@ -108,6 +108,8 @@ def test_info_needs_no_key_and_tells_what_a_client_needs(server: RemoteServer) -
     assert info["sampling_defaults"]["temperature"] == 1.0
     assert info["kv_capacity_tokens"] > 0 and info["gpu_hour_cost"] == 2.5
     assert info["engine"]["max_num_seqs"] == 128
+    # the host CPU's profile: the level our kernels run at (DOLMUS_CPU_ISA may cap it)
+    assert info["cpu"]["isa"] in ("none", "avx2", "avx512", "amx") and info["cpu"]["cores"] >= 1
 
 
 def test_stats_totals_match_metrics_and_samples_accumulate(server: RemoteServer) -> None:

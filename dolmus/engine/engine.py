@@ -30,6 +30,7 @@ from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.executor import Executor, WorkerDiedError, make_executor
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime import native
+from dolmus.runtime.cpu_profile import cpu_profile
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams
@@ -75,6 +76,8 @@ class Engine:
         path = config.model_path
         self.model_config = mc = ModelConfig.from_dir(path)
         self.device = config.resolve_device()
+        if self.device.type == "cpu":
+            cpu_profile()  # decided (and logged, in one line) before any kernel is chosen
         self.dtype = config.resolve_dtype(mc.dtype, self.device, native.cpu_has_bf16())
         self.max_model_len = self._resolve_max_model_len(mc)
         self.tokenizer = load_tokenizer(str(config.tokenizer or path))

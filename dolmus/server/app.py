@@ -32,6 +32,7 @@ from dolmus.engine.data_parallel import DataParallelClient
 from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.outputs import RequestOutput
+from dolmus.runtime.cpu_profile import cpu_profile
 from dolmus.server.access import AccessPolicy, Client
 from dolmus.server.errors import APIError, error_bytes, install_handlers
 from dolmus.server.live_stats import LiveStats
@@ -200,6 +201,7 @@ class ServerState:
             "sampling_defaults": SAMPLING_DEFAULTS,
             "kv_capacity_tokens": serving.engine.stats.kv_capacity_tokens,
             "gpu_hour_cost": self.server_config.gpu_hour_cost,
+            "cpu": cpu_profile().as_dict(),  # the host's CPU and the level our kernels run at
             "engine": {
                 "dtype": config.dtype,
                 "device": config.device,

@@ -22,9 +22,10 @@ costing microseconds of dispatch and a wake-up of the thread pool; one call here
 several of them. Each library's sources are compiled together, once per machine, with the system C
 compiler (`$CC`, else `cc`) for the host CPU, and cached under
 `$XDG_CACHE_HOME/dolmus/kernels` (default ~/.cache) keyed by a hash of the sources, the
-flags and the CPU's feature flags. Where the CPU lacks the library's instructions, no compiler
-is found or the build fails, the library is None (the reason logged once) and callers use
-PyTorch.
+flags and the CPU's feature flags (as runtime/cpu_profile.py keeps them: DOLMUS_CPU_ISA caps
+them, and the build then leaves out the instructions above the cap). Where the CPU lacks the
+library's instructions, no compiler is found or the build fails, the library is None (the
+reason logged once) and callers use PyTorch.
 
 OpenMP resolves to the libgomp PyTorch has already loaded (same soname), so the kernels
 share PyTorch's thread pool and follow torch.set_num_threads. ctypes releases the GIL
@@ -47,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import torch  # noqa: F401  (loads PyTorch's libgomp before ours resolves against it)
+
+from dolmus.runtime.cpu_profile import cpu_profile
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +145,12 @@ FLAGS = ["-O3", "-march=native", "-falign-loops=64", "-fopenmp", "-shared", "-fP
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's flags as the capability profile keeps them (less any above DOLMUS_CPU_ISA)."""
+    return set(cpu_profile().flags)
+
+
+def _compile_flags() -> list[str]:
+    return FLAGS + cpu_profile().compile_flags
 
 
 def has_int8_dot_products() -> bool:
@@ -197,7 +199,7 @@ def _build(compiler: str, sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        command = [compiler, *FLAGS, *map(str, sources), "-o", str(out), "-lm"]
+        command = [compiler, *_compile_flags(), *map(str, sources), "-o", str(out), "-lm"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:])
@@ -230,7 +232,7 @@ def _load(spec: _Spec) -> ctypes.CDLL | None:
         return None
     sources = [Path(__file__).with_name(name) for name in spec.sources]
     source = b"".join(Path(__file__).with_name(name).read_bytes() for name in spec.sources + spec.headers)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *sorted(_cpu_flags())]).encode())
+    key = hashlib.sha256(source + " ".join([compiler, *_compile_flags(), *sorted(_cpu_flags())]).encode())
     target = _cache_dir() / f"{spec.name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():

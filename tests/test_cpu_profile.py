@@ -1,0 +1,98 @@
+"""The CPU capability profile: the level our kernels run at, decided once, and DOLMUS_CPU_ISA
+capping it so that the lower paths run (and are checked against transformers) on any CPU that
+can execute them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dolmus.runtime.cpu_profile import ISA_LEVELS, cpu_profile, detect_level
+
+TESTS = Path(__file__).parent
+HERE = cpu_profile()
+
+
+def test_levels_from_flags() -> None:
+    if HERE.detected == "none":
+        pytest.skip("not an x86-64 Linux host")
+    avx2 = {"avx2", "fma", "f16c", "sse4_2"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    assert detect_level({"sse4_2"}) == "none"
+    assert detect_level(avx2) == "avx2"
+    assert detect_level(avx2 | {"avx512f", "avx512bw", "avx512vl"}) == "avx2"  # no BF16: not ours
+    assert detect_level(avx512) == "avx512"
+    assert detect_level(avx512 | {"amx_tile", "amx_bf16"}) == "amx"
+    assert detect_level(avx2 | {"amx_tile", "amx_bf16"}) == "avx2"  # a level needs those below it
+
+
+def _run(script: str, isa: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOLMUS_CPU_ISA": isa}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+CAPPED = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    import torch
+    from conftest import build_model_dir
+    from helpers import hf_greedy, random_prompts
+    from dolmus import LLM, SamplingParams
+    from dolmus.runtime import native
+    from dolmus.runtime.cpu_profile import cpu_profile
+
+    profile = cpu_profile()
+    assert profile.isa == {isa!r}, profile
+    assert not any(f.startswith(("avx512", "amx")) for f in profile.flags), "flags above the cap"
+    above = profile.detected != profile.isa
+    assert ("-mno-avx512f" in profile.compile_flags) == (above and profile.detected in ("avx512", "amx"))
+    if {isa!r} == "avx2":
+        assert native.library() is None and not native.cpu_has_bf16()
+        assert native.avx2_library() is not None  # the float32 kernels, built without AVX-512
+    else:
+        assert native.library() is None and native.avx2_library() is None
+    folder = build_model_dir("llama", Path({root!r}), dtype=torch.bfloat16)
+    prompts = random_prompts(lengths=(1, 17, 40), seed=2)
+    llm = LLM(model=str(folder))  # a bf16 checkpoint: float32 where bf16 is emulated
+    runner = llm.engine.executor.runner
+    assert runner.dtype == torch.float32, runner.dtype
+    assert runner.native_kernels == ({isa!r} == "avx2"), runner.native_kernels
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    want = [hf_greedy(folder, p, 12) for p in prompts]
+    assert got == want, (got, want)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "none"])
+def test_a_capped_level_runs_its_own_path(isa: str, tmp_path: Path) -> None:
+    if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index(isa) or HERE.detected == "none":
+        pytest.skip(f"this CPU has no {isa} level")
+    proc = _run(CAPPED.format(tests=str(TESTS), isa=isa, root=str(tmp_path)), isa)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_a_cap_above_the_cpu_or_unknown_is_refused() -> None:
+    script = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
+    proc = _run(script, "sse9")
+    assert proc.returncode != 0 and "DOLMUS_CPU_ISA must be one of" in proc.stderr
+    if HERE.detected != "amx":
+        proc = _run(script, "amx")
+        assert proc.returncode != 0 and f"up to {HERE.detected} only" in proc.stderr
+
+
+def test_profile_facts() -> None:
+    assert HERE.cores >= 1 and HERE.huge_pages in ("always", "madvise", "never", "unknown")
+    assert HERE.isa in ISA_LEVELS and HERE.model
+    assert "kernels at" in HERE.summary() and "flags" not in HERE.as_dict()
