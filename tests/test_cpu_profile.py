@@ -96,3 +96,36 @@ def test_profile_facts() -> None:
     assert HERE.cores >= 1 and HERE.huge_pages in ("always", "madvise", "never", "unknown")
     assert HERE.isa in ISA_LEVELS and HERE.model
     assert "kernels at" in HERE.summary() and "flags" not in HERE.as_dict()
+
+
+def _suite_under(isa: str, files: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOLMUS_CPU_ISA": isa}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        *(str(TESTS / f) for f in files),
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_avx2_kernels_built_without_avx512() -> None:
+    """On a CPU with AVX-512 the AVX2 library is otherwise compiled with -march=native (and may
+    use AVX-512); capped, its tests run the code an AVX2-only host runs."""
+    if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index("avx512"):
+        pytest.skip("the suite already runs the AVX2 kernels as an AVX2-only host builds them")
+    proc = _suite_under("avx2", ["test_native_f32_kernels.py", "test_gguf_blocks.py"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_the_avx512_paths_on_an_amx_cpu() -> None:
+    """On an AMX CPU the bf16 kernels' AVX-512 paths (what AMD EPYC runs) are otherwise never
+    taken; capped at avx512, the tile code is compiled out and their tests run those paths."""
+    if HERE.detected != "amx":
+        pytest.skip("no AMX here: the suite already runs the AVX-512 paths")
+    proc = _suite_under("avx512", ["test_native_kernels.py", "test_bf16_gemm.py", "test_fused_decode.py"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
