@@ -60,9 +60,6 @@ class CpuProfile:
     def at_least(self, level: str) -> bool:
         return ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index(level)
 
-    def has(self, *flags: str) -> bool:
-        return set(flags) <= self.flags
-
     @property
     def compile_flags(self) -> list[str]:
         """Compiler flags that keep -march=native builds below the cap."""
@@ -116,7 +113,7 @@ def cpu_profile() -> CpuProfile:
         model=model,
         detected=detected,
         isa=isa,
-        cores=_usable_cores(),
+        cores=usable_cores(),
         l2_kib=_cache_kib(2),
         l3_kib=_cache_kib(3),
         huge_pages=_huge_pages(),
@@ -142,7 +139,8 @@ def _cpuinfo() -> tuple[set[str], str]:
     return flags, model
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, as a container or `taskset` sets it)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

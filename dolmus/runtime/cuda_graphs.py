@@ -42,7 +42,6 @@ MAX_GRAPH_ROWS = 512  # past this a step's GPU time dwarfs its launches: eager i
 class _Captured:
     replay: Callable[[], Any]
     out: torch.Tensor  # the graph's output buffer
-    step: Callable[[], torch.Tensor]
     meta: Any  # the attention metadata the graph reads (tensors made for it before capture)
 
 
@@ -72,17 +71,17 @@ class CudaGraphDecoder:
         block_size: int,
         pad_slot: int,
         device: torch.device,
-        replay_by_call: bool = False,
     ) -> None:
         """`block_table`: the runner's persistent table on the device [seats, max_blocks], read
-        by seat; `pad_slot`: the first slot of the spare block padding rows write to."""
+        by seat; `pad_slot`: the first slot of the spare block padding rows write to. Off CUDA
+        each replay is a call (graphs_emulated)."""
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} attention backend does not capture CUDA graphs")
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
-        self.sizes = graph_sizes(max_rows)
+        self.sizes = graph_sizes(min(max_rows, MAX_GRAPH_ROWS))
         self.max_rows = self.sizes[-1]
         self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
-        self.replay_by_call = replay_by_call
+        self.replay_by_call = device.type != "cuda"
         self.block_table = block_table
         rows = self.max_rows
         # tokens | positions | slots | key counts | seats, one int64 buffer
@@ -115,11 +114,12 @@ class CudaGraphDecoder:
                     return self.model(tokens[:size], positions[:size], self.kv_caches, meta)
 
                 # the graph holds raw addresses: what it reads must outlive the capture (the
-                # metadata's own tensors included), so its record keeps the step and metadata
+                # metadata's own tensors included), so its record keeps the metadata
                 replay, out = self._capture(step)
-                self._graphs[size] = _Captured(replay, out, step, meta)
+                self._graphs[size] = _Captured(replay, out, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        logger.info("CUDA graphs: %d decode sizes captured, 1 to %d rows", len(self.sizes), self.max_rows)
 
     def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         if self.replay_by_call:
@@ -161,29 +161,3 @@ class CudaGraphDecoder:
         captured.replay()
         self.replays += 1
         return captured.out[:n]
-
-
-def build_cuda_graphs(
-    model: torch.nn.Module,
-    kv_caches: list[Any],
-    backend: AttentionBackend,
-    block_table: torch.Tensor,
-    max_rows: int,
-    block_size: int,
-    pad_slot: int,
-    device: torch.device,
-) -> CudaGraphDecoder:
-    decoder = CudaGraphDecoder(
-        model,
-        kv_caches,
-        backend,
-        block_table,
-        min(max_rows, MAX_GRAPH_ROWS),
-        block_size,
-        pad_slot,
-        device,
-        replay_by_call=device.type != "cuda",
-    )
-    decoder.capture()
-    logger.info("CUDA graphs: %d decode sizes captured, 1 to %d rows", len(decoder.sizes), decoder.max_rows)
-    return decoder

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,8 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
 from dolmus.runtime.attention.kv_store import make_kv_store
 from dolmus.runtime.block_table import BlockTable
-from dolmus.runtime.cuda_graphs import CudaGraphDecoder, build_cuda_graphs, graphs_emulated
+from dolmus.runtime.cpu_profile import usable_cores
+from dolmus.runtime.cuda_graphs import CudaGraphDecoder, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
 from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suited_step_tokens
@@ -43,14 +43,6 @@ from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, as a container or `taskset` sets it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass
@@ -171,12 +163,12 @@ class ModelRunner:
         cfg = model_config
         slots = self.num_blocks * self.block_size
         # CUDA graphs pad batches with rows whose keys and values go to one spare block
-        self.graphs_wanted = (
+        graphs = (
             (device.type == "cuda" or graphs_emulated())
             and not config.enforce_eager
             and self.attention.supports_cuda_graphs
         )
-        if self.graphs_wanted:
+        if graphs:
             slots += self.block_size
         heads, width, value_dim = cfg.kv_layout(self.num_kv_heads)
         self.kv_caches = [
@@ -220,7 +212,7 @@ class ModelRunner:
         pools += self.drafter.kv_caches if self.drafter is not None else []
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
         self.kv_connector = make_worker_connector(config, model_path, dtype, device, parallel, pools)
-        if self.graphs_wanted:
+        if graphs:
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             self.fused_decoder = self._cuda_graphs(rows)
 
@@ -248,7 +240,7 @@ class ModelRunner:
         if why:
             logger.info("CUDA graphs: off (%s)", why)
             return None
-        return build_cuda_graphs(
+        decoder = CudaGraphDecoder(
             self.model,
             self.kv_caches,
             self.attention,
@@ -258,6 +250,8 @@ class ModelRunner:
             self.num_blocks * self.block_size,
             self.device,
         )
+        decoder.capture()
+        return decoder
 
     # -- the persistent batch -----------------------------------------------------------
 
@@ -405,11 +399,7 @@ class ModelRunner:
             k = len(drafts[rid]) if drafts and rid in drafts else 0
             if not k and not grammar_rows:  # the common row, without the general case's lists
                 sample_index.append(rows_of[rid][-1])
-                rows.append(
-                    SamplingRow(
-                        seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids
-                    )
-                )
+                rows.append(self._sampling_row(seq, None))
                 ids.append(rid)
                 continue
             window = rows_of[rid][-(k + 1) :]
@@ -558,11 +548,10 @@ class ModelRunner:
         cols[2] = [seq.row for seq, _ in rows]
         np.add(positions, 1, out=cols[4])
         tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
+        np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
         if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
-            np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
             return decoder.run(tokens, positions_t, slots, table_rows, lengths)
         table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
-        np.add(table[np.arange(n), positions // bs] * bs, positions % bs, out=cols[3])
         return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
 
     @torch.inference_mode()

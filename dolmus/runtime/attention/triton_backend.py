@@ -90,7 +90,7 @@ class TritonBackend(AttentionBackend):
             )
         kv_cache.write(meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
         quantized = isinstance(kv_cache, QuantizedPagedKV)
         triton_paged.paged_attention(
             q,
