@@ -9,7 +9,8 @@ failing alone (its traceback printed, the rest still run):
      batch-1 decode tok/s for bf16 (graphs, eager), fp8 and int4
   4  nano-vllm's benchmark shape (256 requests, prompt and output lengths uniform in
      100..1024): offline throughput for the same four, and transformers on a subset
-  5  GPU idle share of batch-64 decode steps (torch.profiler) and where a step's host time goes
+  5  GPU idle share of decode steps at --idle-batches (default 64; torch.profiler), where a
+     step's host time goes, and the kernels by time
   6  the rank-process path: an NCCL group of one, the model in rank processes
 
 Everything also goes to $OUT/gpu_check.log; a summary table is printed last (and on SIGTERM).
@@ -49,6 +50,7 @@ from gpu_check_lib import (  # noqa: E402
     drive,
     free_memory,
     gpu_busy,
+    runtime_calls,
     install_term_handler,
     matmul_flops,
     print_summary,
@@ -193,7 +195,7 @@ def s4_throughput(ctx: Ctx, deadline: Deadline) -> None:
     # seconds each run may take: the ratio's two runs longest; a cut run reports its rate so far
     caps = {"bf16 graphs": 60.0, "transformers": 45.0}
     rates: dict[str, float] = {}
-    for label in ("bf16 graphs", "transformers", "bf16 eager", "fp8 graphs", "int4 graphs"):
+    for label in ("bf16 graphs", "transformers", "bf16 sync", "bf16 eager", "fp8 graphs", "int4 graphs"):
         if deadline.over():
             say(f"{label}: skipped (section out of time)", f"S4 {label:<12} skipped (time)")
             continue
@@ -237,13 +239,25 @@ def s4_throughput(ctx: Ctx, deadline: Deadline) -> None:
 
 
 def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
+    for count in ctx.idle_batches:
+        for label in ("bf16 graphs", "bf16 sync"):
+            if deadline.over():
+                say(f"{label} batch {count}: skipped (section out of time)", f"S5 b{count} skipped (time)")
+                continue
+            say(f"-- {label} (async scheduling {'off' if 'sync' in label else 'on'})")
+            idle_at(ctx, min(count, 8) if ctx.quick else count, label)
+
+
+def idle_at(ctx: Ctx, count: int, label: str) -> None:
+    """Decode steps at one batch size: the engine's step split by part, the GPU's work alone,
+    and a profile of whole steps (GPU busy share, the kernels by time with launches per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     from dolmus import SamplingParams
 
-    llm = ctx.engine("bf16 graphs")
+    llm = ctx.engine(label)
     engine = llm.engine
-    count, prompt_len, steps = (8, 16, 10) if ctx.quick else (64, 128, 50)
+    prompt_len, steps = (16, 10) if ctx.quick else (128, 50)
     rng = random.Random(5)
     ids = [f"idle-{i}" for i in range(count)]
     params = SamplingParams(temperature=0, max_tokens=prompt_len + 3 * steps + 200, ignore_eos=True)
@@ -275,7 +289,7 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
             f"batch {count} decode step {step_s * 1e3:.2f} ms: {parts}, "
             f"rest (outputs, detokenizer) {rest * 1e3:.2f} ms"
         )
-    gpu_work(ctx, engine, count, steps, step_s)
+    gpu_work(ctx, engine, count, steps, step_s, f"{label} b{count}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -283,8 +297,16 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
             engine.step()
         ctx.sync()
         profiled_s = (time.perf_counter() - t0) / steps
+    if count > 1:
+        host_profile(ctx, engine, steps)
     for rid in ids:
         engine.abort_request(rid)
+    calls = runtime_calls(prof)
+    if calls:
+        slowest = sorted(calls.items(), key=lambda kv: -kv[1][0])[:6]
+        say("  CUDA runtime calls on the host, longest: " + ", ".join(
+            f"{name} {secs / steps * 1e3:.3f} ms/step ({n / steps:.0f}/step)" for name, (secs, n) in slowest
+        ))  # fmt: skip
     busy, events, by_name = gpu_busy(prof)
     busy_s = busy / steps
     say(
@@ -296,19 +318,43 @@ def s5_idle(ctx: Ctx, deadline: Deadline) -> None:
             "  no GPU activity recorded (graph replays not traced?): no idle share", "S5 no GPU events traced"
         )
         return
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
-    for name, secs in top:
-        say(f"  {secs / steps * 1e3:7.3f} ms/step  {name[:90]}")
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: 6 if count > 1 else 16]
+    launches = sum(calls for _, calls in by_name.values()) / steps
+    say(f"  {launches:.0f} GPU activities per step; the longest:")
+    for name, (secs, calls) in top:
+        say(
+            f"  {secs / steps * 1e3:7.3f} ms/step {calls / steps:5.0f}/step {secs / calls * 1e6:7.1f} us each  "
+            f"{name[:80]}"
+        )
     share = min(1.0, busy_s / step_s)
     host = max(0.0, step_s - busy_s)
     say(
         f"GPU busy {share:.0%} of each step, host-only {host * 1e3:.2f} ms per step "
         f"(step {step_s * 1e3:.2f} ms)",
-        f"S5 b{count} step {step_s * 1e3:.2f} ms: GPU busy {share:.0%}, host-only {host * 1e3:.2f} ms",
+        f"S5 {label} b{count} step {step_s * 1e3:.2f} ms: GPU busy {share:.0%}, host-only {host * 1e3:.2f} ms",
     )
 
 
-def gpu_work(ctx: Ctx, engine, count: int, steps: int, step_s: float) -> None:
+def host_profile(ctx: Ctx, engine, steps: int) -> None:
+    """cProfile of whole steps: where the host's time goes (a call that waits for the device
+    shows up with the wait in its own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    ctx.sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    lines = [line for line in text.getvalue().splitlines() if line.strip()][-15:]
+    say(f"  cProfile of {steps} steps (own time first):\n" + "\n".join("    " + line[:150] for line in lines))
+
+
+def gpu_work(ctx: Ctx, engine, count: int, steps: int, step_s: float, tag: str) -> None:
     """The GPU time of a decode step's work alone: the captured graph of the step's size
     replayed back to back (its inputs as the last step left them: the same keys rewritten to the
     same slots), then the logits and argmax, timed with CUDA events; against the engine's whole
@@ -339,7 +385,7 @@ def gpu_work(ctx: Ctx, engine, count: int, steps: int, step_s: float) -> None:
     say(
         f"GPU work of a batch-{count} decode step alone (graph of {size} rows + logits + argmax): "
         f"{gpu_s * 1e3:.3f} ms; the engine's step {step_s * 1e3:.3f} ms: the GPU idles {idle:.0%} of it",
-        f"S5 b{count} GPU work {gpu_s * 1e3:.3f} ms of a {step_s * 1e3:.3f} ms step (GPU idle {idle:.0%})",
+        f"S5 {tag} GPU work {gpu_s * 1e3:.3f} ms of a {step_s * 1e3:.3f} ms step (GPU idle {idle:.0%})",
     )
 
 
@@ -399,7 +445,7 @@ SECTIONS = {
     "2": ("greedy agreement with transformers on the GPU", 150, s2_agreement),
     "3": ("Qwen2.5-0.5B shape: batch-1 decode against the HBM roofline", 90, s3_roofline),
     "4": ("nano-vllm benchmark shape: offline throughput", 240, s4_throughput),
-    "5": ("GPU idle share at batch 64 decode", 40, s5_idle),
+    "5": ("GPU idle share of decode steps (--idle-batches)", 60, s5_idle),
     "6": ("rank processes and NCCL", 60, s6_ranks),
 }
 
@@ -415,6 +461,7 @@ def main() -> None:
         "--deadline", type=float, default=540.0, help="seconds from start: later sections are skipped, "
         "budgets clipped, so the summary prints before a caller's time limit (default 540)",
     )  # fmt: skip
+    ap.add_argument("--idle-batches", default="64", help="section 5's batch sizes, comma-separated")
     args = ap.parse_args()
     start_log(args.out)
     install_term_handler()
@@ -428,6 +475,7 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     ctx = Ctx(device, args.quick, Path(args.root))
+    ctx.idle_batches = tuple(int(b) for b in args.idle_batches.split(","))
     ctx.root.mkdir(parents=True, exist_ok=True)
     for tag in [t.strip() for t in args.sections.split(",")]:
         title, budget, run = SECTIONS[tag]

@@ -239,7 +239,12 @@ class StepTimer:
     """Wall time of an engine's scheduling, runner and update calls, by wrapping those bound
     methods on the instances (undone by `restore`)."""
 
-    PARTS = (("scheduler", "schedule"), ("executor", "execute"), ("scheduler", "update"))
+    PARTS = (
+        ("scheduler", "schedule"),
+        ("executor", "execute"),
+        ("executor", "launch"),  # async scheduling's steps
+        ("scheduler", "update"),
+    )
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -247,6 +252,14 @@ class StepTimer:
         for owner, method in self.PARTS:
             target = getattr(engine, owner)
             setattr(target, method, self._wrap(getattr(target, method), f"{owner}.{method}"))
+        self._launched_result = None
+        try:  # async scheduling: the wait for a launched step's tokens (the host idles)
+            from dolmus.runtime.inflight import LaunchedStep
+        except ImportError:
+            return
+        self._launched_result = LaunchedStep.result
+        self.seconds["wait for tokens"] = 0.0
+        LaunchedStep.result = self._wrap(LaunchedStep.result, "wait for tokens")  # type: ignore[method-assign]
 
     def _wrap(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -261,11 +274,16 @@ class StepTimer:
     def restore(self) -> None:
         for owner, method in self.PARTS:
             vars(getattr(self.engine, owner)).pop(method, None)
+        if self._launched_result is not None:
+            from dolmus.runtime.inflight import LaunchedStep
+
+            LaunchedStep.result = self._launched_result  # type: ignore[method-assign]
 
 
-def gpu_busy(prof: Any) -> tuple[float, int, dict[str, float]]:
+def gpu_busy(prof: Any) -> tuple[float, int, dict[str, tuple[float, int]]]:
     """From a torch.profiler run: seconds during which some GPU activity ran (union of the
-    intervals of kernels, copies and sets), how many there were, and seconds per kernel name.
+    intervals of kernels, copies and sets), how many there were, and per kernel name its
+    seconds and launches.
     Reads Kineto's raw events (building FunctionEvents for every CPU op takes long)."""
     cuda = torch.autograd.DeviceType.CUDA
     try:
@@ -282,14 +300,33 @@ def gpu_busy(prof: Any) -> tuple[float, int, dict[str, float]]:
             for e in prof.events()
             if getattr(e, "device_type", None) == cuda
         ]
-    by_name: dict[str, float] = {}
+    by_name: dict[str, tuple[float, int]] = {}
     busy, last = 0.0, float("-inf")
     for name, start, end in sorted(spans, key=lambda s: s[1]):
-        by_name[name] = by_name.get(name, 0.0) + end - start
+        secs, calls = by_name.get(name, (0.0, 0))
+        by_name[name] = (secs + end - start, calls + 1)
         if end > last:
             busy += end - max(start, last)
             last = end
     return busy, len(spans), by_name
+
+
+def runtime_calls(prof: Any) -> dict[str, tuple[float, int]]:
+    """From a torch.profiler run: the host's CUDA runtime and driver calls (cudaLaunchKernel,
+    cudaMemcpyAsync, cudaEventSynchronize...) by name: seconds and count. A call that waits
+    for the device (a sync, a blocking copy) stands out by its time."""
+    out: dict[str, tuple[float, int]] = {}
+    try:
+        events = list(prof.profiler.kineto_results.events())
+    except AttributeError:
+        return out
+    for e in events:
+        name = e.name()
+        if e.device_type() == torch.autograd.DeviceType.CUDA or not name.startswith("cu"):
+            continue
+        secs, n = out.get(name, (0.0, 0))
+        out[name] = (secs + (e.end_ns() - e.start_ns()) / 1e9, n + 1)
+    return out
 
 
 def pytest_stand_in() -> None:

@@ -143,7 +143,8 @@ def hf_throughput(
 GiB = 2**30
 # label -> engine options beyond bf16 (section 3 builds them, sections 4 and 5 reuse them)
 FORMATS = {
-    "bf16 graphs": {},
+    "bf16 graphs": {},  # async scheduling on (the CUDA default)
+    "bf16 sync": {"async_scheduling": False},  # graphs, steps one at a time
     "bf16 eager": {"enforce_eager": True},
     "fp8 graphs": {"quantization": "fp8"},
     "int4 graphs": {"quantization": "int4"},
@@ -156,6 +157,7 @@ class Ctx:
     quick: bool  # the hidden CPU plumbing check: tiny models, a few requests
     root: Path  # the tiny fixtures' folders
     bandwidth: float | None = None
+    idle_batches: tuple[int, ...] = (64,)  # section 5's decode batch sizes
     engines: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: set[str] = dataclasses.field(default_factory=set)
 

@@ -27,7 +27,7 @@ processes share the CPU (the parts are wall time, and the timers add ~0.5 us a c
 The CPU pressure over each run (share of time some task waited for a CPU, from
 /proc/pressure/cpu) is printed, and runs over 5% are flagged as disturbed.
 
-    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 3] [--modules]
+    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 3] [--modules] [--async-scheduling]
                                        [--profile 64]   # cProfile top functions at that batch
     py-spy record -r 1000 --format raw -o out.txt -- python benchmarks/host_overhead.py --bare
 Two versions of the engine compare by running this script with PYTHONPATH at each checkout in
@@ -145,12 +145,14 @@ class StepTimer:
         self._wrap(engine.scheduler, "schedule", "schedule", self._note_plan)
         self._wrap(engine.scheduler, "update", "update")
         self._wrap(engine.executor, "execute", "execute")
+        self._wrap(engine.executor, "launch", "execute")  # async scheduling's steps
         self._wrap(engine, "_make_output", "outputs")
         self._wrap(runner.model, "forward", "model")
         self._wrap(runner.model, "compute_logits", "model")
         if runner.fused_decoder is not None:
             self._wrap(runner.fused_decoder, "run", "model")
         self._wrap(Sampler, "__call__", "sampler", on_class=True)
+        self._wrap(Sampler, "sample_tensor", "sampler", on_class=True)
         self._wrap(IncrementalDetokenizer, "add_tokens", "detok", on_class=True)
         self._gc_start = 0.0
         gc.callbacks.append(self._on_gc)
@@ -279,6 +281,11 @@ def main() -> None:
     ap.add_argument("--modules", action="store_true", help="decode through the modules, not the fused step")
     ap.add_argument("--profile", type=int, default=0, help="also profile one run at this batch (cProfile)")
     ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="steps launched ahead as on a GPU (on the CPU the same bookkeeping, no overlap)",
+    )
+    ap.add_argument(
         "--bare", action="store_true", help="no timers: only run the batches (under py-spy record)"
     )
     args = ap.parse_args()
@@ -295,6 +302,7 @@ def main() -> None:
         num_threads=1,
         max_num_seqs=max(batches),
         fused_decode=not args.modules,
+        async_scheduling=args.async_scheduling,
     )
     runner = llm.engine.runner
     vocab = llm.engine.model_config.vocab_size

@@ -197,6 +197,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps",
     )
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_scheduling,
+        help="launch each step before the last one's tokens reach the host, so appending, stop "
+        "checks and detokenizing overlap the device's work (default: on for CUDA)",
+    )
+    g.add_argument(
         "--tier-specs",
         type=_tier_specs,
         default=d.tier_specs,

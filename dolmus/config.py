@@ -365,6 +365,13 @@ class EngineConfig:
     # CUDA: decode-only steps replay CUDA graphs captured at start-up (runtime/cuda_graphs.py);
     # True runs every step eagerly (vLLM's --enforce-eager)
     enforce_eager: bool = False
+    # Schedule step N+1 and launch it before step N's tokens reach the host, then append, stop
+    # and detokenize step N while the device runs N+1 (vLLM's async scheduling, SGLang's overlap
+    # scheduler): the host's work per step hides behind the device's. None: on for CUDA with the
+    # model in this process. Steps fall back to one at a time while any request needs its
+    # previous token on the host before sampling (seeds, penalties, min_tokens, logprobs,
+    # structured output), and with speculative decoding or a KV connector.
+    async_scheduling: bool | None = None
     # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
     # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
     # 8 rows, as llama.cpp does: faster decode, a little less accurate)
@@ -479,6 +486,11 @@ class EngineConfig:
     @property
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+
+    def async_steps(self, device: torch.device) -> bool:
+        """Whether runners keep the last step's tokens on the device for async scheduling (the
+        engine adds its own conditions: the model in this process, no drafts, no connector)."""
+        return self.async_scheduling if self.async_scheduling is not None else device.type == "cuda"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -113,3 +113,16 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def overlappable(params: SamplingParams, seed: int | None) -> bool:
+    """Whether a request's sampling can run while its previous token is still on the device:
+    nothing it samples with reads its earlier tokens or their count on the host."""
+    return (
+        seed is None
+        and not params.has_penalties
+        and not params.min_tokens
+        and params.logprobs is None
+        and params.structured_output is None
+        and params.pooling is None
+    )

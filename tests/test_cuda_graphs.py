@@ -91,6 +91,10 @@ SCRIPT = textwrap.dedent(
     # the spare block padding rows write to is past every block the engine hands out
     assert runner.kv_caches[0].data.shape[1] == (runner.num_blocks + 1) * runner.block_size
     assert got == want, (got, want)
+    # async scheduling: decode inputs read the last step's tokens on the device, in the graph
+    ahead, runner = tokens(attention_backend="triton", async_scheduling=True)
+    assert runner.fused_decoder.last_sampled is runner.inflight.device_buffer
+    assert runner.fused_decoder.replays >= 30 and ahead == want, (ahead, want)
     eager, runner = tokens(attention_backend="triton", enforce_eager=True)
     assert runner.fused_decoder is None and eager == want
     # a quantized cache read in the kernel with its scales: the same tokens as the torch backend

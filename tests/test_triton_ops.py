@@ -1,5 +1,5 @@
 """The CUDA path's small kernels (RMSNorm with and without the residual add, rotary,
-SiLU-and-multiply) against PyTorch's ops, under Triton's interpreter: the same numbers in
+SiLU-and-multiply, the KV-cache write) against PyTorch's ops, under Triton's interpreter: the same numbers in
 float32, and bf16 within two steps (the interpreter truncates float32 to bf16 where a GPU
 rounds to nearest even, and rstd may differ in its last place)."""
 
@@ -50,6 +50,19 @@ SCRIPT = textwrap.dedent(
             assert got.data_ptr() == qkv.data_ptr()  # in place
             # bf16: a sum of two rounded products can cancel: two steps of the products' size
             torch.testing.assert_close(got, want, rtol=tol, atol=tol if dtype == torch.float32 else 0.25)
+        # keys and values into scattered cache slots, read from the q/k/v projection's rows
+        from dolmus.runtime.attention.triton_kv_write import write_kv
+        for tokens, hkv, dim in ((1, 1, 64), (5, 2, 128), (3, 4, 80)):
+            qkv = rand(tokens, 3 * hkv, dim)
+            key, value = qkv[:, hkv : 2 * hkv], qkv[:, 2 * hkv :]
+            slots = torch.randperm(16, generator=gen)[:tokens]
+            cache = torch.full((2, 16, hkv, dim), float("nan"), dtype=dtype)
+            want = cache.clone()
+            want[0].index_copy_(0, slots, key)
+            want[1].index_copy_(0, slots, value)
+            assert write_kv(cache, slots, key, value)
+            assert torch.equal(cache.nan_to_num(7.0), want.nan_to_num(7.0))  # exact; the rest untouched
+        assert not write_kv(cache, slots, key.float() if dtype != torch.float32 else key.half(), value)
     print("ok")
     """
 )

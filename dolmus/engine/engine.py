@@ -32,8 +32,9 @@ from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.cpu_profile import cpu_profile
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
+from dolmus.runtime.inflight import LaunchedStep
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
-from dolmus.sampling_params import SamplingParams
+from dolmus.sampling_params import SamplingParams, overlappable
 from dolmus.step import StepPlan, StepResult
 from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
 
@@ -60,6 +61,7 @@ class _Group:
     prompt_ids: list[int]
     children: list[Request]
     detoks: list[IncrementalDetokenizer]
+    one_at_a_time: bool = False  # its sampling needs the last token on the host (no async steps)
 
 
 class Engine:
@@ -145,6 +147,19 @@ class Engine:
         # whether the model ran since (the runner reports now and then: runtime/expert_load.py)
         self._moe_expert_tokens: list[list[int]] = []
         self._moe_unreported = False
+        # Async scheduling: the step launched and not yet taken in (its plan, its handle, when
+        # it started), and how many requests need steps one at a time meanwhile.
+        self._ahead = (
+            config.async_steps(self.device)
+            and self.executor.can_launch
+            and speculative is None
+            and self.connector is None
+        )
+        self._launched: tuple[SchedulerOutput, LaunchedStep, float, int] | None = None
+        self._one_at_a_time = 0
+        self._last_done = 0.0
+        if self._ahead:
+            logger.info("async scheduling: on (a step is launched before the last one's tokens are read)")
 
     @property
     def runner(self) -> ModelRunner:
@@ -247,7 +262,11 @@ class Engine:
                 child.grammar = self.grammars.new_state(params.structured_output)
             self._structured_requests += 1
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children]
-        self._groups[request_id] = _Group(request_id, prompt_text, prompt_ids, children, detoks)
+        one_at_a_time = not all(overlappable(params, child.seed) for child in children)
+        self._groups[request_id] = _Group(
+            request_id, prompt_text, prompt_ids, children, detoks, one_at_a_time
+        )
+        self._one_at_a_time += one_at_a_time
         for child in children:
             self._owner[child.request_id] = request_id
             self.scheduler.add(child)
@@ -278,6 +297,7 @@ class Engine:
     def abort_all(self) -> None:
         for request_id in list(self._groups):
             self.abort_request(request_id)
+        self._take_launched()  # nothing left in flight: the engine is idle
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -298,19 +318,52 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run, and turn what it sampled into outputs. Under async
+        scheduling a step is launched and the outputs are the previous step's."""
+        if self._ahead and not self._one_at_a_time:
+            return self._step_ahead()
+        if self._launched is not None:  # a request that needs steps one at a time came in
+            return self._take_launched()
         start = time.monotonic()
         self._refuse_overdue(start)
         sched = self.scheduler.schedule()
-        prefill_tokens = sum(
-            s.num_new_tokens
-            for s in sched.scheduled
-            if s.request.num_computed_tokens < s.request.num_prompt_tokens
-        )
+        prefill_tokens = _prefill_tokens(sched, advanced=False)
         self._attach_grammar_bitmask(sched)
         result = self.executor.execute(sched.plan)
+        return self._complete(sched, result, start, prefill_tokens, ahead=False)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1 (its decodes' inputs are step N's tokens, still on the
+        device), then take in step N while the device runs N+1: the host's appending, stop
+        checks and detokenizing overlap the device's work."""
+        start = time.monotonic()
+        self._refuse_overdue(start)
+        sched = self.scheduler.schedule(ahead=True)
+        prefill_tokens = _prefill_tokens(sched, advanced=True)
+        launched = self.executor.launch(sched.plan)
+        outputs = self._take_launched()
+        self._launched = (sched, launched, start, prefill_tokens)
+        if not self._groups:  # all finished: what was just launched is rows past their ends
+            outputs += self._take_launched()
+        return outputs
+
+    def _take_launched(self) -> list[RequestOutput]:
+        """Wait for the launched step's tokens and turn them into outputs ([] if none)."""
+        if self._launched is None:
+            return []
+        sched, launched, start, prefill_tokens = self._launched
+        self._launched = None
+        # its own span: from its launch, or from the last step's end where the two overlapped
+        return self._complete(
+            sched, launched.result(), max(start, self._last_done), prefill_tokens, ahead=True
+        )
+
+    def _complete(
+        self, sched: SchedulerOutput, result: StepResult, start: float, prefill_tokens: int, ahead: bool
+    ) -> list[RequestOutput]:
         self._moe_unreported |= bool(self.model_config.num_experts) and not sched.plan.empty
         self._take_expert_load(result)
-        updated = self.scheduler.update(sched, result)
+        updated = self.scheduler.update(sched, result, ahead)
         self._fail_transfers()
 
         touched: dict[str, _Group] = {}
@@ -359,7 +412,8 @@ class Engine:
             self._run_transfers()
         self._flush_expert_load()
         self._publish_kv_events()
-        elapsed = time.monotonic() - start
+        self._last_done = time.monotonic()
+        elapsed = self._last_done - start
         self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
         self.admission.observe_step(elapsed, sched.num_batched_tokens)
         self.scheduler.observe_step(sched, elapsed)
@@ -472,6 +526,7 @@ class Engine:
     def _forget(self, request_id: str) -> _Group | None:
         group = self._groups.pop(request_id, None)
         if group is not None:
+            self._one_at_a_time -= group.one_at_a_time
             for child in group.children:
                 self._owner.pop(child.request_id, None)
         return group
@@ -641,3 +696,14 @@ def _metrics(req: Request) -> RequestMetrics:
         num_draft_tokens=req.num_draft_tokens,
         num_accepted_tokens=req.num_accepted_tokens,
     )
+
+
+def _prefill_tokens(sched: SchedulerOutput, advanced: bool) -> int:
+    """The step's prompt tokens (for the busy-time split); `advanced`: the scheduler already
+    moved the requests' computed counts past this step (async scheduling)."""
+    total = 0
+    for s in sched.scheduled:
+        before = s.request.num_computed_tokens - (s.num_new_tokens if advanced else 0)
+        if before < s.request.num_prompt_tokens:
+            total += s.num_new_tokens
+    return total

@@ -277,6 +277,19 @@ class KVCacheManager:
         of its block table and its num_computed_tokens moves past them. `publish` False: the
         new tokens' KV comes from a load, not this step's forward pass (see publish_loaded).
         """
+        if not cached and self.window is None:  # a running request, most calls: often nothing to do
+            have = self.req_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if (
+                have is not None
+                and total <= len(have) * self.block_size
+                and not (
+                    self.enable_prefix_caching
+                    and publish
+                    and total // self.block_size > self._num_published.get(request.request_id, 0)
+                )
+            ):
+                return True  # room in its blocks, and no block fills up: no new block, no hash
         self._release_outside_window(request)
         if not self.can_fit(request, num_new_tokens, cached):
             return False

@@ -97,6 +97,9 @@ class Request:
         self.eos_token_ids = list(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Under async scheduling: tokens sampled by a launched step and not yet appended; the
+        # next step is scheduled as if they were here (their input comes from the device).
+        self.num_in_flight = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []

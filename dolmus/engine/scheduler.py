@@ -142,6 +142,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_preempt(request)  # with a tier, the work is kept
         request.computed_before_preemption = request.num_computed_tokens
+        request.num_in_flight = 0  # a token still in flight is dropped: it is computed again
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -155,7 +156,10 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """This step's work. `ahead`: the last step is still running (async scheduling); its
+        sampled tokens count as in flight, a request they may end sits this step out, and the
+        counts advance now (update then only appends)."""
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -168,8 +172,12 @@ class Scheduler:
             if self.connector is not None and self.connector.is_loading(request):
                 i += 1  # its blocks are being filled: it computes once they are
                 continue
+            if request.num_in_flight and self._may_end(request):
+                i += 1  # its token in flight may be its last: one wasted row at most otherwise
+                continue
             num_new = min(
-                request.num_tokens - request.num_computed_tokens, self.book.allowance(request, budget)
+                request.num_tokens + request.num_in_flight - request.num_computed_tokens,
+                self.book.allowance(request, budget),
             )
             if num_new <= 0:  # what is left is held for another tier this step
                 i += 1
@@ -218,10 +226,24 @@ class Scheduler:
             self.drafts.add_drafts(scheduled, budget, len(self.running))
         out_list = list(scheduled.values())
         plan = self._plan(out_list, preempted)
+        if ahead:
+            for item in out_list:
+                request = item.request
+                request.num_computed_tokens += item.num_new_tokens
+                if request.num_computed_tokens == request.num_tokens + request.num_in_flight:
+                    request.num_in_flight += 1  # its chunk reaches the end: it samples
         if self.connector is not None:
             self.connector.on_scheduled([(item.request, item.samples) for item in out_list])
             plan.kv_transfer = self.connector.take_transfer()
         return SchedulerOutput(plan, out_list, preempted)
+
+    def _may_end(self, request: Request) -> bool:
+        """Whether the request's tokens in flight can reach its length limits (stop tokens
+        and strings cannot be foreseen: a step computes one row past them, then drops it)."""
+        produced = request.num_output_tokens + request.num_in_flight
+        return (
+            produced >= request.max_tokens or request.num_tokens + request.num_in_flight >= self.max_model_len
+        )
 
     def _memory_victim(self, i: int) -> Request:
         """Whom running[i] preempts for blocks: the least urgent, latest request after it that
@@ -338,12 +360,15 @@ class Scheduler:
             self.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
         return late
 
-    def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, int]]:
+    def update(
+        self, output: SchedulerOutput, result: StepResult, ahead: bool = False
+    ) -> list[tuple[Request, int]]:
         """Advance computed counts, append the new tokens, finish what hit a limit.
 
         A request may get several tokens in one step; stop conditions are checked after each
         in order, and whatever follows a stop is dropped. Returns each request that got
-        tokens this step (finished ones included) with how many it kept.
+        tokens this step (finished ones included) with how many it kept. `ahead`: the step
+        was scheduled ahead (its counts advanced then); its tokens land out of flight.
         """
         self.kv.commit_step()  # the forward pass wrote every block allocated for this step
         self.apply_load_report(result.kv_loaded)
@@ -354,7 +379,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             tokens = result.sampled.get(request.request_id)
-            if item.drafts:  # KV is good up to the last accepted draft; the rest is overwritten later
+            if ahead:
+                if tokens:
+                    request.num_in_flight -= 1
+            elif item.drafts:  # KV is good up to the last accepted draft; the rest is overwritten later
                 request.num_computed_tokens += len(tokens) if tokens else 1
                 assert self.drafts is not None
                 self.drafts.count_acceptance(item, len(tokens) - 1 if tokens else 0)

@@ -16,6 +16,7 @@ import torch
 from dolmus.step import StepPlan, StepResult
 
 if TYPE_CHECKING:
+    from dolmus.runtime.inflight import LaunchedStep
     from dolmus.runtime.model_runner import ModelRunner
 
 
@@ -55,6 +56,16 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether `launch` works: async scheduling needs the runner's sampled tokens on its
+        device, so only where the runner is in this process and was built for it."""
+        return False
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue the plan's work and return before its tokens are on the host."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
 
     @abstractmethod
     def prompt_logits(

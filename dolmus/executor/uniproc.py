@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dolmus.executor.base import Executor, RunnerInfo
+from dolmus.runtime.inflight import LaunchedStep
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.step import StepPlan, StepResult
 
@@ -16,6 +17,13 @@ class InProcessExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    @property
+    def can_launch(self) -> bool:
+        return self.runner.inflight is not None
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        return self.runner.launch(plan)
 
     def shutdown(self) -> None:
         self.runner.close()

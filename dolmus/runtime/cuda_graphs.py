@@ -14,6 +14,10 @@ finite output, no cache reads), and their keys and values written to a spare blo
 of every layer's pool, which no sequence owns. Prefill chunks, mixed steps and batches past
 the largest size run eagerly.
 
+Under async scheduling a row's token may still be on the device, sampled by the step before
+(not yet on the host): the runner then writes -1 - i for it, i its row in `last_sampled`, and
+the graph takes the token from there (runtime/inflight.py).
+
 `CudaGraphDecoder.run` has the contract of the CPU's fused decode step
 (runtime/models/llama_decode.py), so the runner sends decode-only steps to either the same way.
 Without a GPU the same bookkeeping runs with `replay_by_call`: each "replay" calls the captured
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from dolmus.runtime.attention import AttentionBackend
+from dolmus.runtime.inflight import resolve_inflight
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +76,12 @@ class CudaGraphDecoder:
         block_size: int,
         pad_slot: int,
         device: torch.device,
+        last_sampled: torch.Tensor | None = None,
     ) -> None:
         """`block_table`: the runner's persistent table on the device [seats, max_blocks], read
-        by seat; `pad_slot`: the first slot of the spare block padding rows write to. Off CUDA
+        by seat; `pad_slot`: the first slot of the spare block padding rows write to;
+        `last_sampled`: the device buffer of the last step's sampled tokens, where in-flight
+        rows read theirs (async scheduling; None: every token comes from the host). Off CUDA
         each replay is a call (graphs_emulated)."""
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} attention backend does not capture CUDA graphs")
@@ -83,13 +91,17 @@ class CudaGraphDecoder:
         self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
         self.replay_by_call = device.type != "cuda"
         self.block_table = block_table
+        self.last_sampled = last_sampled
         rows = self.max_rows
-        # tokens | positions | slots | key counts | seats, one int64 buffer
-        self._host = torch.zeros(5 * rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        # tokens | positions | slots | key counts | seats, one int64 buffer, filled from one of
+        # two pinned twins in turn (a step fills one while the last step's copy may still read
+        # the other: with async scheduling the device is a step behind the host)
+        pinned = device.type == "cuda"
+        self._hosts = [torch.zeros(5 * rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self._dev = torch.zeros(5 * rows, dtype=torch.long, device=device)
         self._table = torch.zeros(rows, block_table.shape[1], dtype=torch.long, device=device)
         self._padding = np.array([[0], [0], [pad_slot], [0], [0]], dtype=np.int64)
-        self._copied: torch.cuda.Event | None = None
         self.replays = 0
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
@@ -111,7 +123,10 @@ class CudaGraphDecoder:
 
                 def step(size: int = size, meta: Any = meta) -> torch.Tensor:
                     torch.index_select(self.block_table, 0, seats[:size], out=table[:size])
-                    return self.model(tokens[:size], positions[:size], self.kv_caches, meta)
+                    ids = tokens[:size]
+                    if self.last_sampled is not None:
+                        ids = resolve_inflight(ids, self.last_sampled)
+                    return self.model(ids, positions[:size], self.kv_caches, meta)
 
                 # the graph holds raw addresses: what it reads must outlive the capture (the
                 # metadata's own tensors included), so its record keeps the metadata
@@ -147,16 +162,20 @@ class CudaGraphDecoder:
         if not 0 < n <= self.max_rows:
             raise ValueError(f"a graphed decode step takes 1 to {self.max_rows} rows, not {n}")
         size = next(s for s in self.sizes if s >= n)
-        if self._copied is not None:  # the last step's copy must be done before we overwrite
-            self._copied.synchronize()
-        host = self._host.numpy().reshape(5, self.max_rows)  # numpy: a microsecond per fill
+        turn = self.replays % 2
+        copied = self._copied[turn]
+        if copied is not None:  # this twin's last copy must be done before we overwrite it
+            copied.synchronize()
+        pinned = self._hosts[turn]
+        host = pinned.numpy().reshape(5, self.max_rows)  # numpy: a microsecond per fill
         for i, values in enumerate((tokens, positions, slots, lengths, seats)):
             host[i, :n] = values.numpy()
         host[:, n:size] = self._padding  # token 0 at position 0 sees nothing, writes the spare
-        self._dev.copy_(self._host, non_blocking=True)
+        self._dev.copy_(pinned, non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[turn] = event
         captured = self._graphs[size]
         captured.replay()
         self.replays += 1

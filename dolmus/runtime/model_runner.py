@@ -29,6 +29,7 @@ from dolmus.runtime.cpu_profile import usable_cores
 from dolmus.runtime.cuda_graphs import CudaGraphDecoder, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
 from dolmus.runtime.expert_load import ExpertLoad
+from dolmus.runtime.inflight import InflightTokens, LaunchedStep, resolve_inflight
 from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suited_step_tokens
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import module_bytes
@@ -86,6 +87,17 @@ class _Sequence:
     num_blocks: int  # filled entries of its block-table row
     row: int  # its row of the block table
     num_computed_tokens: int
+    pending: int = 0  # sampled by launched steps, not yet in token_ids (async scheduling)
+    inflight: int = -1  # while pending: its row among the last launched step's sampled tokens
+    plain_row: SamplingRow | None = None  # its sampling row without grammar or drafts, made once
+
+    def token_at(self, position: int) -> int:
+        """The input token at `position`, or -1 - i for the one still on the device (row i of
+        the last step's sampled tokens: resolve_inflight reads it there)."""
+        if position < len(self.token_ids):
+            return self.token_ids[position]
+        assert self.pending and position == len(self.token_ids), "a token neither known nor in flight"
+        return -1 - self.inflight
 
 
 class ModelRunner:
@@ -202,6 +214,8 @@ class ModelRunner:
                 if draft.fused_decoder is None:
                     logger.info("draft model's fused decode step: off (%s)", why)
         self.sampler = Sampler(device, config.seed)
+        # async scheduling: the last step's sampled tokens, where the next step's inputs read them
+        self.inflight = InflightTokens(config.max_num_seqs, device) if config.async_steps(device) else None
         self._draft_probs: dict[str, list[torch.Tensor]] = {}  # this step's sampled drafts' q rows
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -249,6 +263,7 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
             self.device,
+            self.inflight.device_buffer if self.inflight is not None else None,
         )
         decoder.capture()
         return decoder
@@ -320,12 +335,35 @@ class ModelRunner:
             result.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
         return result
 
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Async scheduling's step: queue the plan's work on the device and return at once;
+        the result waits for the sampled tokens. Inputs may read the last launched step's
+        tokens on the device. Only for plans of overlappable requests (sampler.overlappable),
+        without drafts or a KV connector; results must be taken in launch order."""
+        if self.inflight is None:
+            raise RuntimeError("this runner was built without async scheduling")
+        launched = self._execute(plan, ahead=True)
+        if not isinstance(launched, LaunchedStep):
+            launched = LaunchedStep(launched)
+        if self.expert_load is not None:
+            launched._result.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
+        return launched
+
+    def _deliver(self, ids: list[str], tokens: list[int]) -> None:
+        """A launched step's tokens reached the host: into the copies still held."""
+        for rid, token in zip(ids, tokens):
+            seq = self.sequences.get(rid)
+            if seq is not None and seq.pending:
+                seq.token_ids.append(token)
+                seq.pending -= 1
+
     def close(self) -> None:
         """Finish what must outlive the process (a disk tier's pending writes)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, ahead: bool = False) -> StepResult | LaunchedStep:
         self._apply_diff(plan)
         if plan.empty:
             return StepResult()
@@ -394,12 +432,14 @@ class ModelRunner:
             grammar_rows.setdefault(rid, i)
         for rid, seq, n in scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens != len(seq.token_ids) or seq.params.pooling is not None:
+            if seq.num_computed_tokens != len(seq.token_ids) + seq.pending or seq.params.pooling is not None:
                 continue  # a prefill chunk short of the prompt's end, or an embedding: no sample
             k = len(drafts[rid]) if drafts and rid in drafts else 0
             if not k and not grammar_rows:  # the common row, without the general case's lists
                 sample_index.append(rows_of[rid][-1])
-                rows.append(self._sampling_row(seq, None))
+                if seq.plain_row is None:  # it reads token_ids, the list itself: valid for good
+                    seq.plain_row = self._sampling_row(seq, None)
+                rows.append(seq.plain_row)
                 ids.append(rid)
                 continue
             window = rows_of[rid][-(k + 1) :]
@@ -429,6 +469,13 @@ class ModelRunner:
         sampled_drafts = self._draft_probs
         if not drafts and not sampled_drafts and self.medusa is None and self.eagle is None:
             # a row per request, no window to check, no head to feed
+            if ahead:
+                wait = self.inflight.publish(self.sampler.sample_tensor(logits, rows))  # type: ignore[union-attr]
+                for i, rid in enumerate(ids):
+                    seq = self.sequences[rid]
+                    seq.pending += 1
+                    seq.inflight = i
+                return LaunchedStep(result, ids, wait, self._deliver)
             for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
                 result.sampled[rid] = [sampled.token_id]
                 if sampled.logprobs is not None:
@@ -541,7 +588,7 @@ class ModelRunner:
         bs = self.block_size
         n = len(rows)
         cols = np.empty((5, n), dtype=np.int64)  # tokens, positions, table rows, slots, lengths
-        cols[0] = [seq.token_ids[c] for seq, c in rows]
+        cols[0] = [seq.token_at(c) for seq, c in rows]
         context = [ctx for _, ctx in rows]
         positions = cols[1]
         positions[:] = context
@@ -552,6 +599,8 @@ class ModelRunner:
         if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
             return decoder.run(tokens, positions_t, slots, table_rows, lengths)
         table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
+        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
+            tokens = resolve_inflight(tokens, self.inflight.device_buffer)
         return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
 
     @torch.inference_mode()
@@ -578,10 +627,12 @@ class ModelRunner:
         # cost a microsecond where torch's cost several, and a step does over a dozen.
         bs = self.block_size
         tokens: list[int] = []
+        inflight = False
         for seq, ctx, n in ordered:
             if n == 1:
-                tokens.append(seq.token_ids[ctx])
-            else:
+                tokens.append(seq.token_at(ctx))
+                inflight = inflight or tokens[-1] < 0
+            else:  # a prompt chunk: every token known
                 tokens.extend(seq.token_ids[ctx : ctx + n])
         query_lens = np.array([n for _, _, n in ordered], dtype=np.int64)
         context_lens = np.array([ctx for _, ctx, _ in ordered], dtype=np.int64)
@@ -606,11 +657,13 @@ class ModelRunner:
             bs,
         )
         meta = self.attention.build_metadata(layout, self.device, self.dtype)
-        return (
-            torch.tensor(tokens, dtype=torch.long, device=self.device),
-            torch.from_numpy(positions).to(self.device),
-            meta,
-        )
+        # non_blocking: from pageable memory the copy is staged at once, and the host does not
+        # wait for the device's queue (a blocking copy would: no overlap under async scheduling)
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        if inflight:
+            assert self.inflight is not None
+            input_ids = resolve_inflight(input_ids, self.inflight.device_buffer)
+        return input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True), meta
 
     @staticmethod
     def _sampling_row(seq: _Sequence, grammar_row: int | None, upto: int | None = None) -> SamplingRow:

@@ -91,6 +91,13 @@ class Sampler:
             for i, (t, k) in enumerate(zip(token_list, want_logprobs))
         ]
 
+    def sample_tensor(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The rows' tokens as a tensor on the logits' device, without a host sync: for rows
+        that need no history on the host (async scheduling's steps; see `overlappable`)."""
+        if all(r.params.greedy for r in rows):
+            return logits.max(dim=-1).indices
+        return self._sample(logits.to(torch.float32), rows)
+
     @staticmethod
     def with_logprobs(token: int, logprobs: torch.Tensor, k: int | None) -> Sampled:
         """The token with its logprob and the top k of the row (raw log-softmax)."""

@@ -23,6 +23,7 @@ import torch
 from dolmus.runtime.attention import triton_paged
 from dolmus.runtime.attention.backend import AttentionBackend, BatchLayout, register_backend
 from dolmus.runtime.attention.kv_store import LatentPagedKV, PagedKV, QuantizedPagedKV
+from dolmus.runtime.attention.triton_kv_write import write_kv
 
 
 @dataclass
@@ -88,7 +89,9 @@ class TritonBackend(AttentionBackend):
                 "the triton attention backend does not take multi-head latent attention (DeepSeek) "
                 "caches; use --attention-backend torch"
             )
-        kv_cache.write(meta.slot_mapping, k, v)
+        # keys and values in one launch (a quantized cache computes scales in its own write)
+        if type(kv_cache) is not PagedKV or not write_kv(kv_cache.data, meta.slot_mapping, k, v):
+            kv_cache.write(meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
         quantized = isinstance(kv_cache, QuantizedPagedKV)
