@@ -1,4 +1,6 @@
-"""The AMX bf16 linear kernel (runtime/native/bf16_gemm.c) against float arithmetic and the model."""
+"""The bf16 tile-packed linear kernel against float arithmetic and the model: on AMX tiles
+(runtime/native/bf16_gemm.c) where the CPU has them, else on AVX-512 BF16
+(bf16_gemm_avx512.c; DOLMUS_BF16_TILES=0 keeps oneDNN there)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ from dolmus.runtime.native import bf16_gemm
 from dolmus.runtime.native import ops as native_ops
 
 pytestmark = pytest.mark.skipif(
-    not native.cpu_supported() or native.find_compiler() is None or not native.amx_ready(),
-    reason="the bf16 tile kernel needs an x86-64 CPU with AMX-BF16 and a C compiler",
+    not native.cpu_supported() or native.find_compiler() is None,
+    reason="the bf16 tile kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
+
+
+def test_bf16_tiles_0_keeps_bf16_weights_on_onednn(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native.amx_ready():
+        pytest.skip("on AMX the tiles are always taken")
+    monkeypatch.setenv("DOLMUS_BF16_TILES", "0")
+    llm = LLM(model=str(model_dir), dtype="bfloat16")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert layers and not any(isinstance(m.method_state, TilePackedWeight) for m in layers)
 
 
 @pytest.mark.parametrize(("n", "k"), [(64, 64), (100, 96), (33, 70), (200, 896), (1152, 896)])
@@ -108,10 +119,32 @@ def test_a_bf16_model_runs_its_linears_on_tiles_and_agrees_with_pytorch(model_di
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
 
+def test_a_bf16_model_on_tiles_takes_the_fused_decode_step_with_the_modules_bits(model_root) -> None:
+    """bf16 weights on the tile layout run the fused decode step (AVX-512 BF16 without AMX too):
+    the same tokens and log-probabilities as the modules on the same kernel."""
+    from conftest import build_model_dir
+
+    from dolmus import SamplingParams
+    from helpers import random_prompts
+
+    kw = dict(model=str(build_model_dir("qwen2-wide", model_root)), dtype="bfloat16")
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    assert fused.engine.runner.fused_decoder is not None and modules.engine.runner.fused_decoder is None
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = random_prompts((3, 40, 9), seed=2)
+
+    def outputs(llm: LLM) -> list:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    assert outputs(fused) == outputs(modules)
+    assert fused.engine.runner.fused_steps >= 8
+
+
+@pytest.mark.skipif(not native.amx_ready(), reason="the 2048-token budget is for AMX tiles")
 def test_a_model_all_on_tiles_takes_steps_of_2048_tokens_unless_told(model_dir) -> None:
-    """The tile kernel's cost per row stays flat past 512 rows, so the runner asks for the larger
-    step budget; oneDNN's products (no prepacked tiles) keep the CPU default, and an explicit
-    budget wins."""
+    """The AMX tile kernel's cost per row stays flat past 512 rows, so the runner asks for the
+    larger step budget; oneDNN's products (no prepacked tiles) keep the CPU default, and an
+    explicit budget wins."""
     assert LLM(model=str(model_dir), dtype="bfloat16").engine.scheduler.max_num_batched_tokens == 2048
     assert (
         LLM(

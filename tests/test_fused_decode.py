@@ -30,13 +30,13 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list[dict]]]:
 @pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide", "qwen3"])
 def test_fused_decode_gives_the_modules_bits(model_root, arch: str, quantization: str | None) -> None:
     """GQA and MQA, q/k/v bias with a tied head (Qwen2), q/k norms (Qwen3); bf16 weights on
-    AMX tiles, int8 and int4 weights on their kernels."""
+    AMX tiles or vdpbf16ps, int8 and int4 weights on their kernels."""
     folder = build_model_dir(arch, model_root)
     kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization)
     fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
     assert modules.engine.runner.fused_decoder is None
-    if quantization is None and not native_build.amx_ready():
-        # bf16 weights run on oneDNN without AMX: not a kernel the fused step calls
+    if quantization is None and not native_build.tile_gemm_ready():
+        # bf16 weights on oneDNN (DOLMUS_BF16_TILES=0): not a kernel the fused step calls
         assert fused.engine.runner.fused_decoder is None
     else:
         assert fused.engine.runner.fused_decoder is not None
@@ -95,7 +95,7 @@ def test_speculative_windows_run_fused_with_the_modules_bits(model_root, quantiz
     kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization, speculative_config=spec)
     fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
     if fused.engine.runner.fused_decoder is None:
-        pytest.skip("bf16 weights run on oneDNN without AMX here")
+        pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
     outputs = [_outputs(llm) + _outputs(llm) for llm in (fused, modules)]
     assert outputs[0] == outputs[1]
     assert fused.engine.stats().spec_num_accepted_tokens >= 40

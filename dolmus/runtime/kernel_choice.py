@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dolmus.config import AMX_CPU_BATCHED_TOKENS, EngineConfig
+from dolmus.runtime import native
 from dolmus.runtime.attention.triton_backend import usable as triton_usable
 from dolmus.runtime.layers import triton_ops
 from dolmus.runtime.layers.linear import Linear
@@ -60,6 +61,6 @@ def suited_step_tokens(model: torch.nn.Module, device: torch.device) -> int | No
     if device.type != "cpu":
         return None
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if linears and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
+    if linears and native.amx_ready() and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
         return AMX_CPU_BATCHED_TOKENS
     return None

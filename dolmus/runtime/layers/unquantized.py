@@ -62,7 +62,7 @@ class UnquantizedLinearMethod(LinearMethod):
         w = layer.weight
         if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return
-        if self.native and native.amx_ready():
+        if self.native and native.tile_gemm_ready():
             gated = layer.gated and layer.out_features % (2 * bf16_gemm.GATED_MULTIPLE) == 0
             bias = layer.bias.detach().float() if layer.bias is not None else None
             if gated and bias is not None:

@@ -71,6 +71,7 @@ _AVX512 = _Spec(
         "quant_kernels.c",
         "layer_kernels.c",
         "bf16_gemm.c",
+        "bf16_gemm_avx512.c",
         "quant_amx.c",
         "decode_step.c",
         "prefill_attention.c",
@@ -97,6 +98,9 @@ _AVX512 = _Spec(
         "dolmus_bf16_pack": [_ptr, _ptr, _i64, _i64],
         # (x, packed, bias or NULL, y, M, N, K, gated)
         "dolmus_bf16_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        # the same on vdpbf16ps (no AMX), and whichever of the two the CPU runs best
+        "dolmus_bf16_gemm_avx512": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        "dolmus_bf16_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_amx_ready": [],
         # (x, packed, scale, zero or NULL, y, M, N, K, group, bits 4 | 8)
         "dolmus_quant_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
@@ -184,6 +188,16 @@ def amx_ready() -> bool:
     this process use the tile registers (it asks once)."""
     lib = library()
     return lib is not None and bool(lib.dolmus_amx_ready())
+
+
+def tile_gemm_ready() -> bool:
+    """Whether bf16 weights go to our tile-packed product (bf16_gemm.c's layout): on AMX tiles,
+    else on AVX-512 BF16's vdpbf16ps (bf16_gemm_avx512.c), which also lets plain bf16 weights
+    take the fused decode step. DOLMUS_BF16_TILES=0 keeps bf16 weights on oneDNN where there is
+    no AMX (benchmarks/bf16_linear.py compares the two per layer and row count)."""
+    if amx_ready():
+        return True
+    return library() is not None and os.environ.get("DOLMUS_BF16_TILES", "1") != "0"
 
 
 def find_compiler() -> str | None:

@@ -1,6 +1,7 @@
 """Python face of bf16_gemm.c: bf16 weights packed for AMX tiles, and their product.
 
-Callers check `native.amx_ready()` first (runtime/layers/unquantized.py)."""
+Callers check `native.tile_gemm_ready()` first (runtime/layers/unquantized.py). The product runs
+on AMX tiles where the CPU has them, else on AVX-512 BF16 (bf16_gemm_avx512.c)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,6 @@ def matmul(
     y = torch.empty(m, width, dtype=torch.bfloat16)
     if m:
         bias_ptr = bias.data_ptr() if bias is not None else None
-        kernel = library().dolmus_bf16_gemm_amx
+        kernel = library().dolmus_bf16_gemm
         kernel(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, gated)
     return y.view(*lead, width)

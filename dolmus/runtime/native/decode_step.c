@@ -72,7 +72,7 @@ static void add_rows(uint16_t *y, const uint16_t *b, int64_t rows, int64_t n, in
 static void linear(const dolmus_linear *l, const uint16_t *x, uint16_t *y, int64_t m) {
     switch (l->kind) {
     case LINEAR_AMX_BF16:
-        dolmus_bf16_gemm_amx(x, l->packed, l->bias, y, m, l->n, l->k, l->gated);
+        dolmus_bf16_gemm(x, l->packed, l->bias, y, m, l->n, l->k, l->gated);
         return; /* its bias is added in float32 inside, as the module path's */
     case LINEAR_INT4:
         dolmus_int4_gemm(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);

@@ -22,6 +22,9 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int64_t gated);
+/* the tile-packed product on AMX where granted, else AVX-512 BF16 (bf16_gemm_avx512.c) */
+void dolmus_bf16_gemm(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int64_t gated);
 int dolmus_amx_ready(void);
 /* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
 float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group);

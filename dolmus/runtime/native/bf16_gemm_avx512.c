@@ -1,0 +1,174 @@
+/* bf16 weights times bf16 activations with AVX-512 BF16's dot product (vdpbf16ps), for x86
+ * CPUs without AMX (AMD Zen 4/5, Intel Cooper Lake), on the weights bf16_gemm.c packs for AMX.
+ *
+ * In that layout a step of 32 inputs of a panel is two 1 KB tiles, and row j of tile t holds the
+ * input pair (2j, 2j + 1) of the panel's outputs 16t .. 16t + 15: 64 bytes, 16 lanes of bf16
+ * pairs, exactly one operand of vdpbf16ps. With an activation row's pair broadcast to all 16
+ * lanes, one instruction adds w[o][2j] x[2j] + w[o][2j + 1] x[2j + 1] to the float32 sums of the
+ * 16 outputs. A block of up to ROWS activation rows shares every weight load (2 ROWS sums in
+ * registers); a decode step (one row) is then a single pass over the weights, prefetched like
+ * the AMX path (prefetch.h), on the huge pages the packed copy lives on. Panels are split
+ * between threads; rows go in stretches that stay in L2 while every panel passes over them.
+ *
+ * The sums are float32 in a fixed order (pairs of inputs, steps in order) whatever the number
+ * of rows, so a row's result does not depend on its batch; bias and the gated epilogue
+ * (SiLU(gate) * up) round as bf16_gemm.c's do.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include "amx_panel.h"
+#include "bf16_simd.h"
+#include "kernels.h"
+#include "prefetch.h"
+
+#define ROWS 8                  /* activation rows per block: 16 sums in registers */
+#define STRETCH_BYTES (1 << 19) /* activations per stretch of rows: half of a 1 MB L2 */
+#ifndef PF_FAR
+#define PF_FAR 16384
+#endif
+#ifndef PF_NEAR
+#define PF_NEAR 4096
+#endif
+#ifndef CHUNK_STEPS
+#define CHUNK_STEPS 8 /* steps of 32 inputs per chunk: a panel's chunk is 16 KB, held in L1 */
+#endif
+
+static inline __m512bh pair_of(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* Steps [k0, k1) of rows [0, R) of x (rows ldx apart, whole steps of 32 inputs) times panel pp,
+ * added to the sums in acc (R rows of 32 floats: outputs 0-15, then 16-31). R is a constant at
+ * each call site, so the loops over rows unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void block_steps(const uint16_t *pp, int64_t k0, int64_t k1,
+                                                              const uint16_t *x, int64_t ldx, const int R,
+                                                              float *acc, int prefetch) {
+    __m512 s[ROWS][2];
+    for (int r = 0; r < R; r++) {
+        s[r][0] = _mm512_loadu_ps(acc + 32 * r);
+        s[r][1] = _mm512_loadu_ps(acc + 32 * r + 16);
+    }
+    for (int64_t kb = k0; kb < k1; kb++) {
+        const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
+        if (prefetch)
+            for (int i = 0; i < 32; i++) {
+                _mm_prefetch((const char *)w + PF_FAR + 64 * i, _MM_HINT_T1);
+                _mm_prefetch((const char *)w + PF_NEAR + 64 * i, _MM_HINT_T0);
+            }
+        for (int j = 0; j < 16; j++) {
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32 * j));
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + TILE + 32 * j));
+            for (int r = 0; r < R; r++) {
+                __m512bh xr = pair_of(xk + r * ldx + 2 * j);
+                s[r][0] = _mm512_dpbf16_ps(s[r][0], xr, w0);
+                s[r][1] = _mm512_dpbf16_ps(s[r][1], xr, w1);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(acc + 32 * r, s[r][0]);
+        _mm512_storeu_ps(acc + 32 * r + 16, s[r][1]);
+    }
+}
+
+static void block_steps_any(const uint16_t *pp, int64_t k0, int64_t k1, const uint16_t *x, int64_t ldx, int64_t R,
+                            float *acc, int prefetch) {
+    switch (R) {
+    case 1: block_steps(pp, k0, k1, x, ldx, 1, acc, prefetch); break;
+    case 2: block_steps(pp, k0, k1, x, ldx, 2, acc, prefetch); break;
+    case 3: block_steps(pp, k0, k1, x, ldx, 3, acc, prefetch); break;
+    case 4: block_steps(pp, k0, k1, x, ldx, 4, acc, prefetch); break;
+    case 5: block_steps(pp, k0, k1, x, ldx, 5, acc, prefetch); break;
+    case 6: block_steps(pp, k0, k1, x, ldx, 6, acc, prefetch); break;
+    case 7: block_steps(pp, k0, k1, x, ldx, 7, acc, prefetch); break;
+    default: block_steps(pp, k0, k1, x, ldx, ROWS, acc, prefetch); break;
+    }
+}
+
+/* Rows [0, M) (any M) of one panel -> y. The panel goes through in chunks of CHUNK_STEPS steps
+ * (16 KB, held in L1), every block of ROWS rows through a chunk before the next: the weights
+ * come from memory once, the sums wait in `acc` (M rounded up to ROWS, times 32 floats). */
+static void panel_product_avx512(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t ldx, int64_t M,
+                                 const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N, int gated,
+                                 float *acc) {
+    memset(acc, 0, sizeof(float) * 32 * (size_t)M);
+    for (int64_t k0 = 0; k0 < steps; k0 += CHUNK_STEPS) {
+        int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+            block_steps_any(pp, k0, k1, x + m0 * ldx, ldx, M - m0 < ROWS ? M - m0 : ROWS, acc + 32 * m0, m0 == 0);
+    }
+    for (int64_t r = 0; r < M; r++) {
+        const float *a = acc + 32 * r;
+        uint16_t *row = y + r * ldy;
+        if (!gated) {
+            store_row(row + n0, a, bias ? bias + n0 : NULL, N - n0);
+            store_row(row + n0 + 16, a + 16, bias ? bias + n0 + 16 : NULL, N - n0 - 16);
+            continue;
+        }
+        __m512 g = _mm512_loadu_ps(a), u = _mm512_loadu_ps(a + 16);
+        if (bias) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + n0));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + n0 + 16));
+        }
+        store_bf16x16(row + n0 / 2, silu_and_mul_ps(round_to_bf16(g), round_to_bf16(u)));
+    }
+}
+
+/* y = x [M][K] times the packed weight: [M][N], or [M][N / 2] when gated (N % 32 == 0 then). */
+void dolmus_bf16_gemm_avx512(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t M,
+                             int64_t N, int64_t K, int64_t gated) {
+    int64_t panels = round_up(N, PANEL) / PANEL, kp = round_up(K, KSTEP), steps = kp / KSTEP;
+    int64_t ldy = gated ? N / 2 : N;
+    uint16_t *copy = NULL;
+    if (kp != K) { /* rows padded to whole steps with zeros (the packed weights' padding is zero too) */
+        copy = calloc((size_t)(M * kp), sizeof(uint16_t));
+        if (!copy) abort();
+        for (int64_t m = 0; m < M; m++) memcpy(copy + m * kp, x + m * K, sizeof(uint16_t) * (size_t)K);
+        x = copy;
+    }
+    int64_t stretch = STRETCH_BYTES / (kp * (int64_t)sizeof(uint16_t)) / ROWS * ROWS;
+    if (stretch < ROWS) stretch = ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += stretch) {
+        int64_t rows = M - m0 < stretch ? M - m0 : stretch;
+        const uint16_t *xs = x + m0 * kp;
+        uint16_t *ys = y + m0 * ldy;
+        /* few rows: each thread a contiguous run of panels, the stream the prefetchers follow;
+         * more: panels two at a time, so a thread that loses its core leaves its share */
+#pragma omp parallel
+        {
+            float *acc = aligned_alloc(64, sizeof(float) * 32 * (size_t)round_up(rows, ROWS));
+            if (!acc) abort();
+            if (rows <= ROWS) {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; p++)
+                    panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, rows, bias, ys, ldy, p * PANEL,
+                                         N, (int)gated, acc);
+            } else {
+#pragma omp for schedule(dynamic, 2)
+                for (int64_t p = 0; p < panels; p++)
+                    panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, rows, bias, ys, ldy, p * PANEL,
+                                         N, (int)gated, acc);
+            }
+            free(acc);
+        }
+    }
+    free(copy);
+}
+
+/* The tile-packed product on the best unit the CPU has: AMX tiles where the kernels were built
+ * with them and Linux grants them, else vdpbf16ps. */
+void dolmus_bf16_gemm(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int64_t gated) {
+    static int amx = -1;
+    if (amx < 0) amx = dolmus_amx_ready();
+    if (amx)
+        dolmus_bf16_gemm_amx(x, packed, bias, y, M, N, K, gated);
+    else
+        dolmus_bf16_gemm_avx512(x, packed, bias, y, M, N, K, gated);
+}
