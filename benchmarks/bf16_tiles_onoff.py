@@ -5,7 +5,8 @@ layout (runtime/native/bf16_gemm_avx512.c), which also lets the fused decode ste
 weights; DOLMUS_BF16_TILES=0 keeps them on oneDNN's prepacked products. The model: the random
 Llama with Qwen2.5-0.5B's body (benchmarks/llama_body_model.py), bf16, greedy, EOS ignored.
 Per setting and round: prefill time of U prompts of 128 tokens (one output token), then decode
-tok/s over 63 more tokens, at U = 1, 8 and 32. Rounds alternate the settings; the best round
+tok/s over 63 more tokens (the same prompts again with 64 output tokens, less that prefill time;
+the prefix cache is off), at U = 1, 8 and 32. Rounds alternate the settings; the best round
 of each is printed with the ratio, and the batch-1 decode against the weights' bytes over the
 machine's read bandwidth (a float32 sum over 1 GiB on huge pages: a lower bound of what a
 stream reaches, so the share can pass 100%). CPU pressure per round; over 5% is disturbed.
@@ -37,7 +38,10 @@ USERS = (1, 8, 32)
 
 def build(folder: Path, tiles: bool, threads: int) -> LLM:
     os.environ["DOLMUS_BF16_TILES"] = "1" if tiles else "0"  # read as the weights are packed
-    return LLM(model=str(folder), dtype="bfloat16", num_threads=threads, max_num_seqs=32)
+    # no prefix cache: both calls of a measurement read their prompts in full
+    return LLM(
+        model=str(folder), dtype="bfloat16", num_threads=threads, max_num_seqs=32, enable_prefix_caching=False
+    )
 
 
 def measure(llm: LLM) -> dict[int, tuple[float, float]]:

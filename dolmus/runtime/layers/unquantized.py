@@ -5,7 +5,9 @@ oneDNN's prepacked (blocked) layout reaches ~1.5-1.8x that at batch 1 and is no 
 large batches (measured: benchmarks/offline_throughput.py runs with it on). On CPUs with AMX,
 our tile kernel (runtime/native/bf16_gemm.c) streams at about the full read bandwidth up to 32
 rows: 27 against oneDNN's 21.6 GB/s at one row, 23 against 18.4 at 32, within ~7% of it on
-prefill chunks of 256-512 rows (benchmarks/bf16_linear.py).
+prefill chunks of 256-512 rows. On AVX-512 BF16 without AMX the same packed layout runs on
+vdpbf16ps (bf16_gemm_avx512.c): 1.0-1.5x oneDNN up to 16 rows, 0.9-1.2x past that
+(benchmarks/bf16_linear.py), and it lets the fused decode step run bf16 weights.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class PrepackedWeight(LinearState):
 
 @dataclass
 class TilePackedWeight(LinearState):
-    """A bf16 weight in AMX tile order (bf16_gemm.c), with its bias in float32. A gated one
+    """A bf16 weight in AMX tile order (bf16_gemm.c; AMX or vdpbf16ps), with its bias in float32. A gated one
     (an MLP's gate/up, halves of a multiple of 16 rows) interleaves its halves so the kernel
     can end in SiLU(gate) * up."""
 
@@ -56,7 +58,7 @@ class TilePackedWeight(LinearState):
 class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, prepack: bool = True, native: bool = True) -> None:
         self.prepack = prepack
-        self.native = native  # our kernels may run (AMX tiles; checkpoint codes loaded under it)
+        self.native = native  # our kernels may run (tile kernels; checkpoint codes loaded under it)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight
