@@ -42,8 +42,10 @@ LAYERS = {  # (outputs, inputs) of Qwen2.5-0.5B's linear layers
 }
 
 
-def read_bandwidth(gib: float = 1.0) -> float:
-    """Bytes per second a sum over `gib` GiB streams at on huge pages, best of three."""
+def read_bandwidth(gib: float = 2.0) -> float:
+    """Bytes per second a float32 sum over `gib` GiB streams at, best of three, on PyTorch's
+    threads. The data sits on huge pages, as our packed weights do (on 4 KiB pages the sum read
+    6-10% less here, and a roofline would flatter us)."""
     data = huge_pages.empty(int(gib * 2**30) // 4, torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(3):

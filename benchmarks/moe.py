@@ -31,9 +31,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bf16_linear import read_bandwidth  # noqa: E402
 from offline_throughput import CACHE, CpuPressure  # noqa: E402
 from tensor_parallel import _cpu_name  # noqa: E402
-from vllm_cpu_vs_dolmus import read_bandwidth  # noqa: E402
 
 from dolmus.config import DEFAULT_MODEL_DIR  # noqa: E402
 

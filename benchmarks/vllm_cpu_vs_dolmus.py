@@ -30,17 +30,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
 from served import Load, bench, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
-from dolmus.runtime import huge_pages  # noqa: E402
 
 THREADS = 2
 LOADS = [
@@ -61,20 +60,6 @@ def _vllm(python: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", "{port}"]
     cmd += ["--dtype", "bfloat16", "--max-model-len", "4096"]
     return start_peer("vLLM", cmd, 600, env, log)
-
-
-def read_bandwidth(gib: float = 2.0) -> float:
-    """Bytes per second a sum over `gib` GiB streams at, best of three, on THREADS threads. The
-    data sits on huge pages, as our packed weights do (on 4 KiB pages the sum read 6-10% less
-    here, and the roofline would flatter us)."""
-    torch.set_num_threads(THREADS)
-    data = huge_pages.empty(int(gib * 2**30) // 4, torch.float32).fill_(1.0)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - t)
-    return data.numel() * 4 / best
 
 
 def main() -> None:
@@ -131,6 +116,7 @@ def main() -> None:
         print_table("vLLM-CPU", LOADS, runs)
 
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    torch.set_num_threads(THREADS)
     bandwidth = read_bandwidth()
     roofline = bandwidth / weight_bytes
     tpot = runs["dolmus"][0][0]["summary"]["tpot"]["p50"]
