@@ -16,7 +16,7 @@ code in the engine) and every decode-only step at batch B is split into:
   sampler   Sampler.__call__ (its argmax over [B, vocab] is device work on a GPU)
   runner    the rest of executor.execute: the diff, inputs, row bookkeeping
   schedule  Scheduler.schedule        update  Scheduler.update (append, stop checks)
-  detok     IncrementalDetokenizer.add_tokens      outputs  Engine._make_output
+  detok     IncrementalDetokenizer.add_tokens      outputs  RequestGroup.output
   engine    the rest of Engine.step
   gc        cyclic garbage collections (inside the parts above, whose times include them)
 "host" is everything but model; "host-smp" also leaves out the sampler, whose greedy path is
@@ -133,6 +133,7 @@ class StepTimer:
 
     def __init__(self, llm: Any) -> None:
         from dolmus.engine.detokenizer import IncrementalDetokenizer
+        from dolmus.engine.request_group import RequestGroup
         from dolmus.runtime.sampler import Sampler
 
         self.acc: dict[str, float] = defaultdict(float)
@@ -146,7 +147,7 @@ class StepTimer:
         self._wrap(engine.scheduler, "update", "update")
         self._wrap(engine.executor, "execute", "execute")
         self._wrap(engine.executor, "launch", "execute")  # async scheduling's steps
-        self._wrap(engine, "_make_output", "outputs")
+        self._wrap(RequestGroup, "output", "outputs", on_class=True)
         self._wrap(runner.model, "forward", "model")
         self._wrap(runner.model, "compute_logits", "model")
         if runner.fused_decoder is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,11 @@ from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
 from dolmus.engine.request import Request, RequestStatus
+from dolmus.engine.request_group import RequestGroup
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.executor import Executor, WorkerDiedError, make_executor
-from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dolmus.outputs import RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.cpu_profile import cpu_profile
 from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
@@ -50,18 +50,6 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises several types for a bad folder
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc})") from exc
-
-
-@dataclass
-class _Group:
-    """One user request: its prompt and its n sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    children: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    one_at_a_time: bool = False  # its sampling needs the last token on the host (no async steps)
 
 
 class Engine:
@@ -136,7 +124,7 @@ class Engine:
             lambda: make_backend(backend, self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         )
         self._structured_requests = 0
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[str, str] = {}  # sequence id -> user request id
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -263,7 +251,7 @@ class Engine:
             self._structured_requests += 1
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children]
         one_at_a_time = not all(overlappable(params, child.seed) for child in children)
-        self._groups[request_id] = _Group(
+        self._groups[request_id] = RequestGroup(
             request_id, prompt_text, prompt_ids, children, detoks, one_at_a_time
         )
         self._one_at_a_time += one_at_a_time
@@ -366,7 +354,7 @@ class Engine:
         updated = self.scheduler.update(sched, result, ahead)
         self._fail_transfers()
 
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for request, num_new in updated:
             group_id = self._owner.get(request.request_id)
             group = self._groups.get(group_id) if group_id is not None else None
@@ -402,7 +390,7 @@ class Engine:
             if request.status.finished:
                 self._count_finished(request)
             touched[group_id] = group
-        outputs = [self._make_output(g) for g in touched.values()]
+        outputs = [g.output() for g in touched.values()]
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
@@ -523,7 +511,7 @@ class Engine:
             self._busy_prefill += seconds * share
             self._busy_decode += seconds * (1 - share)
 
-    def _forget(self, request_id: str) -> _Group | None:
+    def _forget(self, request_id: str) -> RequestGroup | None:
         group = self._groups.pop(request_id, None)
         if group is not None:
             self._one_at_a_time -= group.one_at_a_time
@@ -534,39 +522,6 @@ class Engine:
     def _count_finished(self, request: Request) -> None:
         reason = request.status.value
         self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        completions = []
-        finished = True
-        for i, (req, detok) in enumerate(zip(group.children, group.detoks)):
-            status = req.status
-            done = status.finished
-            finished = finished and done
-            delta = detok.take_delta(done)
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=detok.text[: detok.emitted],  # held-back characters are not out yet
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=status.value if done else None,
-                    stop_reason=req.stop_reason,
-                    logprobs=req.logprobs,
-                    cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                    text_delta=delta,
-                    metrics=_metrics(req) if done else None,
-                )
-            )
-        first = group.children[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            kv_transfer_params=first.kv_transfer_out,
-            embedding=first.embedding,
-        )
 
     # -- scoring --------------------------------------------------------------------------
 
@@ -681,21 +636,6 @@ class Engine:
             "kv_transfer_failed_loads": c.remote_failed_loads,
             "kv_transfer_exported_blocks": c.exported_blocks,
         }
-
-
-def _metrics(req: Request) -> RequestMetrics:
-    t = req.timings
-    return RequestMetrics(
-        arrival_time=t.arrival,
-        queue_time=t.queue_time,
-        ttft=t.ttft,
-        tpot=t.tpot,
-        itl=t.inter_token_latencies,
-        e2e_latency=t.e2e_latency,
-        num_preemptions=req.num_preemptions,
-        num_draft_tokens=req.num_draft_tokens,
-        num_accepted_tokens=req.num_accepted_tokens,
-    )
 
 
 def _prefill_tokens(sched: SchedulerOutput, advanced: bool) -> int:
