@@ -72,7 +72,8 @@ class LaunchedStep:
         tokens: Callable[[], list[int]] | None = None,
         deliver: Callable[[list[str], list[int]], None] | None = None,
     ) -> None:
-        self._result, self._ids, self._tokens, self._deliver = result, ids or [], tokens, deliver
+        self.partial = result  # what the step made besides the sampled tokens (filled in by result())
+        self._ids, self._tokens, self._deliver = ids or [], tokens, deliver
         self._done = tokens is None
 
     def result(self) -> StepResult:
@@ -80,8 +81,8 @@ class LaunchedStep:
             assert self._tokens is not None
             tokens = self._tokens()
             for rid, token in zip(self._ids, tokens):
-                self._result.sampled[rid] = [token]
+                self.partial.sampled[rid] = [token]
             if self._deliver is not None:
                 self._deliver(self._ids, tokens)
             self._done = True
-        return self._result
+        return self.partial

@@ -347,7 +347,7 @@ class ModelRunner:
         if not isinstance(launched, LaunchedStep):
             launched = LaunchedStep(launched)
         if self.expert_load is not None:
-            launched._result.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
+            launched.partial.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
         return launched
 
     def _deliver(self, ids: list[str], tokens: list[int]) -> None:
