@@ -129,3 +129,32 @@ def test_the_avx512_paths_on_an_amx_cpu() -> None:
         pytest.skip("no AMX here: the suite already runs the AVX-512 paths")
     proc = _suite_under("avx512", ["test_native_kernels.py", "test_bf16_gemm.py", "test_fused_decode.py"])
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+@pytest.mark.parametrize("march", ["sapphirerapids", "cooperlake"])
+def test_the_avx512_library_compiles_with_and_without_amx(march: str) -> None:
+    """Its sources share headers whose AMX parts exist only in AMX builds: a name clash there
+    (a second `block_steps`) broke the whole library on AMX hosts while AMD ones built it.
+    Compiled for an AMX CPU and for one with AVX-512 BF16 only, whatever this host is."""
+    from dolmus.runtime import native
+
+    compiler = native.find_compiler()
+    if compiler is None or native.platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C compiler")
+    folder = Path(native.__file__).parent
+    for source in native._AVX512.sources:
+        proc = subprocess.run(
+            [
+                compiler,
+                "-O1",
+                f"-march={march}",
+                "-fopenmp",
+                "-std=c11",
+                "-fsyntax-only",
+                str(folder / source),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, f"{source} for {march}: {proc.stderr[-1500:]}"

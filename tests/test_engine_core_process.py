@@ -43,29 +43,36 @@ def test_process_mode_gives_the_thread_mode_tokens() -> None:
         assert len(_children(split.proc.pid)) == 1 and _children(threaded.proc.pid) == []
 
 
+def _leave_a_stream_early(server: RemoteServer) -> dict[str, float]:
+    """Read 3 chunks of a long stream and close it; the metrics once the core counted the abort
+    and gave its blocks back (or after 30 s)."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model="stories260k", prompt="Once", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if (
+            m['dolmus:request_success_total{finished_reason="abort"}'] == 1
+            and not m["dolmus:kv_cache_blocks_used"]
+        ):
+            break
+        time.sleep(0.1)
+    return m
+
+
 def test_async_scheduling_in_the_core_gives_the_same_tokens_and_aborts(tmp_path) -> None:
     """Steps launched ahead (the CUDA default, forced here on the CPU) behind the real server:
     the tokens of steps one at a time, and a stream left early still frees its blocks."""
     ahead = RemoteServer(*SPLIT, "--async-scheduling", log=tmp_path / "ahead.log")
     with ahead as server, RemoteServer(*SPLIT, "--no-async-scheduling") as plain:
         assert _completions(server) == _completions(plain)
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        stream = client.completions.create(
-            model="stories260k", prompt="Once", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
-        )
-        for i, _ in enumerate(stream):
-            if i == 3:
-                break
-        stream.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = server.metrics()
-            if (
-                m['dolmus:request_success_total{finished_reason="abort"}'] == 1
-                and not m["dolmus:kv_cache_blocks_used"]
-            ):
-                break
-            time.sleep(0.1)
+        m = _leave_a_stream_early(server)
         assert m['dolmus:request_success_total{finished_reason="abort"}'] == 1
         assert m["dolmus:kv_cache_blocks_used"] == 0
     assert "async scheduling: on" in (tmp_path / "ahead.log").read_text()
@@ -73,20 +80,7 @@ def test_async_scheduling_in_the_core_gives_the_same_tokens_and_aborts(tmp_path)
 
 def test_a_stream_left_early_is_aborted_in_the_core(tmp_path) -> None:
     with RemoteServer(*SPLIT, log=tmp_path / "server.log") as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        stream = client.completions.create(
-            model="stories260k", prompt="Once", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
-        )
-        for i, _ in enumerate(stream):
-            if i == 3:
-                break
-        stream.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = server.metrics()
-            if m['dolmus:request_success_total{finished_reason="abort"}'] == 1:
-                break
-            time.sleep(0.1)
+        m = _leave_a_stream_early(server)
         assert m['dolmus:request_success_total{finished_reason="abort"}'] == 1
         assert m["dolmus:kv_cache_blocks_used"] == 0
 

@@ -277,19 +277,8 @@ class KVCacheManager:
         of its block table and its num_computed_tokens moves past them. `publish` False: the
         new tokens' KV comes from a load, not this step's forward pass (see publish_loaded).
         """
-        if not cached and self.window is None:  # a running request, most calls: often nothing to do
-            have = self.req_blocks.get(request.request_id)
-            total = request.num_computed_tokens + num_new_tokens
-            if (
-                have is not None
-                and total <= len(have) * self.block_size
-                and not (
-                    self.enable_prefix_caching
-                    and publish
-                    and total // self.block_size > self._num_published.get(request.request_id, 0)
-                )
-            ):
-                return True  # room in its blocks, and no block fills up: no new block, no hash
+        if not cached and self._room_as_is(request, num_new_tokens, publish):
+            return True
         self._release_outside_window(request)
         if not self.can_fit(request, num_new_tokens, cached):
             return False
@@ -310,6 +299,18 @@ class KVCacheManager:
         if self.enable_prefix_caching and publish:
             self._register_full_blocks(request, blocks, total)
         return True
+
+    def _room_as_is(self, request: Request, num_new_tokens: int, publish: bool) -> bool:
+        """A running request's usual step (no window): its blocks hold the new tokens and none
+        of them fills up, so there is no block to take and no hash to register."""
+        have = self.req_blocks.get(request.request_id)
+        if have is None or self.window is not None:
+            return False
+        total = request.num_computed_tokens + num_new_tokens
+        if total > len(have) * self.block_size:
+            return False
+        registers = self.enable_prefix_caching and publish
+        return not registers or total // self.block_size <= self._num_published.get(request.request_id, 0)
 
     def _release_outside_window(self, request: Request) -> None:
         """Give back the request's blocks that no query from its next one on reads: the query at

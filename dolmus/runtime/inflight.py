@@ -3,7 +3,7 @@
 Under async scheduling the engine launches step N+1 before step N's sampled tokens reach the
 host. A request decoding in both steps needs step N's token as step N+1's input, and it is
 still on the device. The runner writes -1 - i in place of such a token (i: the request's row
-among step N's sampled tokens) and the device takes it from `InflightTokens.device`, the
+among step N's sampled tokens) and the device takes it from `InflightTokens.device_buffer`, the
 buffer each step's sampled tokens are copied to, so no step waits for the host. The host gets
 each step's tokens through a pinned buffer copied without blocking; `LaunchedStep.result()`
 waits for that copy alone, then appends the tokens to the runner's copies of the requests.
@@ -73,16 +73,14 @@ class LaunchedStep:
         deliver: Callable[[list[str], list[int]], None] | None = None,
     ) -> None:
         self.partial = result  # what the step made besides the sampled tokens (filled in by result())
-        self._ids, self._tokens, self._deliver = ids or [], tokens, deliver
-        self._done = tokens is None
+        self._ids, self._tokens, self._deliver = ids or [], tokens, deliver  # tokens: None once taken
 
     def result(self) -> StepResult:
-        if not self._done:
-            assert self._tokens is not None
+        if self._tokens is not None:
             tokens = self._tokens()
+            self._tokens = None
             for rid, token in zip(self._ids, tokens):
                 self.partial.sampled[rid] = [token]
             if self._deliver is not None:
                 self._deliver(self._ids, tokens)
-            self._done = True
         return self.partial

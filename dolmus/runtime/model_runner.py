@@ -339,7 +339,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Async scheduling's step: queue the plan's work on the device and return at once;
         the result waits for the sampled tokens. Inputs may read the last launched step's
-        tokens on the device. Only for plans of overlappable requests (sampler.overlappable),
+        tokens on the device. Only for plans of overlappable requests (sampling_params.overlappable),
         without drafts or a KV connector; results must be taken in launch order."""
         if self.inflight is None:
             raise RuntimeError("this runner was built without async scheduling")
