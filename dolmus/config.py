@@ -607,9 +607,7 @@ class ServerConfig:
             raise ValueError(f"gpu_hour_cost must be >= 0, got {self.gpu_hour_cost}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
-                raise ValueError(
-                    f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)"
-                )
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
         check_choices(self)
 
     def load_chat_template(self) -> str | None:

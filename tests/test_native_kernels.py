@@ -204,13 +204,13 @@ def test_engine_with_and_without_native_layer_kernels_agrees(model_dir) -> None:
             assert row.max() - row[token] < 0.1
 
 
-_needs_amx = pytest.mark.skipif(
-    not native_build.cpu_supported() or not native_build.amx_ready(),
-    reason="the prefill attention kernel runs on AMX tiles",
+_needs_bf16_kernels = pytest.mark.skipif(
+    not native_build.cpu_supported(),
+    reason="the prefill attention kernel runs on AMX tiles or AVX-512 BF16",
 )
 
 
-@_needs_amx
+@_needs_bf16_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 128), (6, 2, 96), (4, 1, 32)]
 )
@@ -253,10 +253,10 @@ def test_prefill_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_hea
         torch.testing.assert_close(out[s : s + n].float(), expected, rtol=2**-7, atol=4e-3)
 
 
-@_needs_amx
+@_needs_bf16_kernels
 @pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide"])
-def test_prefill_attention_on_tiles_is_as_close_to_float32_as_sdpa(arch, model_root) -> None:
-    """The native backend's prefills (AMX) against the torch backend's (SDPA) in bf16, both
+def test_prefill_attention_kernel_is_as_close_to_float32_as_sdpa(arch, model_root) -> None:
+    """The native backend's prefills (AMX or vdpbf16ps) against the torch backend's (SDPA) in bf16, both
     measured against the float32 model: whole prompts and chunks reading cached context. Each
     row is computed on its own, so chunking does not change a single bit."""
     folder = str(build_model_dir(arch, model_root))

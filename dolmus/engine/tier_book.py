@@ -77,9 +77,7 @@ class TierBook:
             return budget_left
         mine = self.tier_index(request.priority)
         held_by_others = sum(
-            max(0, held - used)
-            for i, (held, used) in enumerate(zip(self._held, self._used))
-            if i != mine
+            max(0, held - used) for i, (held, used) in enumerate(zip(self._held, self._used)) if i != mine
         )
         return max(0, budget_left - held_by_others)
 
@@ -105,7 +103,9 @@ class TierBook:
             return False
         return self._usage(theirs, resource, running) <= self.reserved[resource][theirs]
 
-    def may_preempt(self, victim: Request, request: Request, resource: str, running: Sequence[Request]) -> bool:
+    def may_preempt(
+        self, victim: Request, request: Request, resource: str, running: Sequence[Request]
+    ) -> bool:
         """Whether the waiting `request`, short of `resource`, may preempt the running `victim`."""
         if victim.priority > request.priority:
             pass  # a less urgent request: strict priority

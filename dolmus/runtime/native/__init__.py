@@ -10,8 +10,8 @@
   quant_kernels.c's products);
 - decode_step.c: a whole decode step of a Llama-family model, those kernels back to back
   (decode_step.py, runtime/models/llama_decode.py);
-- prefill_attention.c: prompt chunks' attention over the paged KV cache on AMX tiles
-  (attention/native_cpu.py).
+- prefill_attention.c: prompt chunks' attention over the paged KV cache, on AMX tiles or on
+  vdpbf16ps (attention/native_cpu.py).
 
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,

@@ -88,8 +88,8 @@ def prefill_attention(
     block_size: int,
     scale: float,
 ) -> bool:
-    """Prompt chunks attend causally to the cache they were just written to, on AMX tiles
-    (prefill_attention.c); writes out [tokens, Hq, D]. False when the kernel ran out of memory
+    """Prompt chunks attend causally to the cache they were just written to, on AMX tiles or
+    AVX-512 BF16 (prefill_attention.c); writes out [tokens, Hq, D]. False when the kernel ran out of memory
     (out then partly written).
 
     q [tokens, Hq, D] and out bf16, rows may be strided, heads contiguous; caches [slots, Hkv, D]

@@ -1,5 +1,5 @@
-/* Prompt (prefill) attention over the paged KV cache on AMX tiles, for bf16 models on x86 CPUs
- * with AMX-BF16.
+/* Prompt (prefill) attention over the paged KV cache, for bf16 models on x86 CPUs with AMX-BF16
+ * (tiles) or AVX-512 BF16 alone (vdpbf16ps).
  *
  * PyTorch's CPU flash attention ran a 128-token prompt of a 0.5B model (14 query heads, 2 KV
  * heads, head size 64) at ~0.1 TFLOP/s, ~160 ms of a 32 x 128-token prefill; the same products
@@ -15,6 +15,12 @@
  * which is the order PyTorch's flash kernel rounds in for rows of up to its 512-key block
  * (probabilities rounded to bf16 for the second product, the sum kept in float32); longer rows
  * differ from it only by its rescaling between blocks. The sums of products are float32 in both.
+ *
+ * Without AMX the same packed layouts serve vdpbf16ps, as in bf16_gemm_avx512.c: a tile row (16
+ * keys' values of one input pair, or one key pair's values of 16 output columns) is exactly that
+ * instruction's 32-value operand, the query's pair (a probability pair) broadcast is the other.
+ * A prefix hit thus attends to its cached blocks in place on every AVX-512 BF16 CPU: SDPA needed
+ * them gathered first.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,8 +30,7 @@
 
 #include "amx_panel.h"
 #include "bf16_simd.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "kernels.h"
 
 /* Keys [0, total) of KV head h of a sequence -> kp (16-key tiles: [tile][d / 32][16 pairs][16
  * keys][2]) and vp (32-key tiles: [tile][d / 16][16 key pairs][16][2]); padding keys are zero.
@@ -49,42 +54,11 @@ static void pack_keys_values(const uint16_t *k_cache, const uint16_t *v_cache, c
     }
 }
 
-/* 16 query rows (q: rows `rows` valid, q_stride apart) of one head against the packed keys and
- * values of its KV head; first: the position of row 0; the rows see keys [0, first + r].
- * s: 16 x padded floats, pb: 16 x padded bf16 (scratch); out rows out_stride apart. */
-static void attend_rows(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t first, const uint16_t *kp,
-                        const uint16_t *vp, int64_t d, float scale, float *s, uint16_t *pb, uint16_t *out,
-                        int64_t out_stride) {
-    int64_t seen = first + rows, padded = round_up(seen, 32), steps = d / 32;
-    uint16_t qbuf[16 * 256];
-    const uint16_t *qa = q;
-    int64_t qs = q_stride;
-    if (rows < 16) { /* a short last tile: zero rows below it, never read past the query */
-        memset(qbuf, 0, sizeof(uint16_t) * 16 * (size_t)d);
-        for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * d, q + r * q_stride, sizeof(uint16_t) * (size_t)d);
-        qa = qbuf, qs = d;
-    }
-    /* scores, 16 keys per tile: tiles 4 .. 4 + steps - 1 hold the query (steps <= 4 as d <= 128) */
-    _tile_loadd(4, qa, qs * 2); /* tile numbers are immediates */
-    if (steps > 1) _tile_loadd(5, qa + 32, qs * 2);
-    if (steps > 2) _tile_loadd(6, qa + 64, qs * 2);
-    if (steps > 3) _tile_loadd(7, qa + 96, qs * 2);
-    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
-        _tile_zero(0);
-        const uint16_t *kt = kp + (k0 / 16) * steps * TILE;
-        for (int64_t c = 0; c < steps; c++) {
-            _tile_loadd(1, kt + c * TILE, 64);
-            switch (c) {
-            case 0: _tile_dpbf16ps(0, 4, 1); break;
-            case 1: _tile_dpbf16ps(0, 5, 1); break;
-            case 2: _tile_dpbf16ps(0, 6, 1); break;
-            default: _tile_dpbf16ps(0, 7, 1); break;
-            }
-        }
-        _tile_stored(0, s + k0, padded * 4);
-    }
-    /* softmax of each row over the keys it sees; probabilities rounded to bf16 */
-    float inv[16];
+/* Row r < rows of 16 score rows (s, `padded` floats apart) -> its probabilities over the keys it
+ * sees, [0, first + r], rounded to bf16 in pb (zero past them, and in rows >= rows); inv[r]: one
+ * over their float32 sum. */
+static void softmax_rows(float *s, uint16_t *pb, int64_t padded, int64_t rows, int64_t first, float scale,
+                         float inv[16]) {
     for (int64_t r = 0; r < 16; r++) {
         float *sr = s + r * padded;
         uint16_t *pr = pb + r * padded;
@@ -106,6 +80,55 @@ static void attend_rows(const uint16_t *q, int64_t q_stride, int64_t rows, int64
         float total = _mm512_reduce_add_ps(sum);
         inv[r] = total > 0 ? 1.0f / total : 0.0f;
     }
+}
+
+/* Up to 16 query rows of one head as 16 rows d values apart: in place, or copied with zero rows
+ * below a short last tile (never reading past the query). Returns the rows' stride. */
+static int64_t query_rows(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t d, const uint16_t **qa,
+                          uint16_t *qbuf) {
+    if (rows == 16) {
+        *qa = q;
+        return q_stride;
+    }
+    memset(qbuf, 0, sizeof(uint16_t) * 16 * (size_t)d);
+    for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * d, q + r * q_stride, sizeof(uint16_t) * (size_t)d);
+    *qa = qbuf;
+    return d;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+/* 16 query rows (q: rows `rows` valid, q_stride apart) of one head against the packed keys and
+ * values of its KV head on AMX tiles; first: the position of row 0; the rows see keys
+ * [0, first + r]. s: 16 x padded floats, pb: 16 x padded bf16 (scratch); out rows out_stride apart. */
+static void attend_rows_amx(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t first, const uint16_t *kp,
+                            const uint16_t *vp, int64_t d, float scale, float *s, uint16_t *pb, uint16_t *out,
+                            int64_t out_stride) {
+    int64_t seen = first + rows, padded = round_up(seen, 32), steps = d / 32;
+    uint16_t qbuf[16 * 128];
+    const uint16_t *qa;
+    int64_t qs = query_rows(q, q_stride, rows, d, &qa, qbuf);
+    /* scores, 16 keys per tile: tiles 4 .. 4 + steps - 1 hold the query (steps <= 4 as d <= 128) */
+    _tile_loadd(4, qa, qs * 2); /* tile numbers are immediates */
+    if (steps > 1) _tile_loadd(5, qa + 32, qs * 2);
+    if (steps > 2) _tile_loadd(6, qa + 64, qs * 2);
+    if (steps > 3) _tile_loadd(7, qa + 96, qs * 2);
+    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+        _tile_zero(0);
+        const uint16_t *kt = kp + (k0 / 16) * steps * TILE;
+        for (int64_t c = 0; c < steps; c++) {
+            _tile_loadd(1, kt + c * TILE, 64);
+            switch (c) {
+            case 0: _tile_dpbf16ps(0, 4, 1); break;
+            case 1: _tile_dpbf16ps(0, 5, 1); break;
+            case 2: _tile_dpbf16ps(0, 6, 1); break;
+            default: _tile_dpbf16ps(0, 7, 1); break;
+            }
+        }
+        _tile_stored(0, s + k0, padded * 4);
+    }
+    float inv[16];
+    softmax_rows(s, pb, padded, rows, first, scale, inv);
     /* weighted values, 64 output columns per pass: sum tiles 0-3, probabilities 4, values 5 */
     float o[16 * 64] __attribute__((aligned(64)));
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
@@ -147,18 +170,68 @@ static void attend_rows(const uint16_t *q, int64_t q_stride, int64_t rows, int64
     }
 }
 
+#endif
+
+/* The same 16 rows on vdpbf16ps. Each of the 16 sums of a block is one register: a packed row
+ * (16 keys of one input pair; one key pair's 16 value columns) is loaded once and meets each
+ * query row's pair (probability pair) broadcast from memory. */
+static void attend_rows_dp(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t first, const uint16_t *kp,
+                           const uint16_t *vp, int64_t d, float scale, float *s, uint16_t *pb, uint16_t *out,
+                           int64_t out_stride) {
+    int64_t seen = first + rows, padded = round_up(seen, 32), pairs = d / 2;
+    uint16_t qbuf[16 * 128];
+    const uint16_t *qa;
+    int64_t qs = query_rows(q, q_stride, rows, d, &qa, qbuf);
+    const int32_t *q32 = (const int32_t *)qa;
+    int64_t qs32 = qs / 2;
+    __m512 acc[16];
+    /* scores: a 16-key tile's rows are its keys' pairs j = 0 .. d / 2 - 1, 32 values apart */
+    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+        const uint16_t *kt = kp + (k0 / 16) * pairs * 32;
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < pairs; j++) {
+            __m512bh k = (__m512bh)_mm512_loadu_si512(kt + j * 32);
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q32[r * qs32 + j]), k);
+        }
+        for (int r = 0; r < 16; r++) _mm512_storeu_ps(s + r * padded + k0, acc[r]);
+    }
+    float inv[16];
+    softmax_rows(s, pb, padded, rows, first, scale, inv);
+    /* weighted values, 16 output columns per pass: a 32-key tile's rows for column block c are its
+     * 16 key pairs, 32 values apart */
+    const int32_t *p32 = (const int32_t *)pb;
+    int64_t ps32 = padded / 2;
+    for (int64_t c = 0; c < d / 16; c++) {
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k0 = 0; k0 < padded; k0 += 32) {
+            const uint16_t *vt = vp + (k0 / 32) * (d / 16) * TILE + c * TILE;
+            for (int64_t j = 0; j < 16; j++) {
+                __m512bh v = (__m512bh)_mm512_loadu_si512(vt + j * 32);
+                for (int r = 0; r < 16; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(p32[r * ps32 + k0 / 2 + j]), v);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            store_bf16x16(out + r * out_stride + 16 * c, _mm512_mul_ps(acc[r], _mm512_set1_ps(inv[r])));
+    }
+}
+
 /* Prompt chunks attend to the cache they were just written to.
  *   q:        token t's query heads at q + t * q_stride, [hq][d]; sequence i's tokens are
  *             starts[i] .. starts[i] + lens[i] - 1, at positions contexts[i] onwards
  *   k_cache, v_cache: [slots][hkv][d], slot = block * bs + offset
  *   block_ids: [nseq][nb] each sequence's blocks, covering contexts[i] + lens[i] positions
  *   out:      token t's heads at out + t * out_stride, [hq][d]
- * Query head j reads KV head j / (hq / hkv). d % 32 == 0, d <= 128. Returns 0, or -1 when memory
- * ran out (some rows of out unwritten: the caller computes them another way). */
+ * Query head j reads KV head j / (hq / hkv). d % 32 == 0, d <= 128. On AMX tiles where this
+ * process may use them, else on vdpbf16ps. Returns 0, or -1 when memory ran out (some rows of out
+ * unwritten: the caller computes them another way). */
 int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int64_t *block_ids, int64_t nb, const int64_t *starts, const int64_t *lens,
                              const int64_t *contexts, int64_t nseq, uint16_t *out, int64_t out_stride, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale) {
+    static int amx = -1;
+    if (amx < 0) amx = dolmus_amx_ready();
     int64_t group = hq / hkv, packed_values = 0, items = 0, longest = 0;
     /* per sequence: where its packed keys and values start; its first work item (nseq + 1) */
     int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(2 * nseq + 1)), *first_item = packed_at + nseq;
@@ -196,7 +269,9 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
             pack_keys_values(k_cache, v_cache, pos, total, d, kp, kp + padded * d);
         }
         free(pos);
-        configure(16);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) configure(16);
+#endif
         float *s = aligned_alloc(64, sizeof(float) * 16 * (size_t)round_up(longest, 32));
         uint16_t *pb = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)round_up(longest, 32));
         if (!s || !pb) {
@@ -216,26 +291,22 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
             int64_t padded = round_up(total, 32);
             const uint16_t *kp = packed + packed_at[i] + (head / group) * 2 * padded * d;
             int64_t tok = starts[i] + t0;
-            attend_rows(q + tok * q_stride + head * d, q_stride, rowsn, contexts[i] + t0, kp, kp + padded * d, d,
-                        scale, s, pb, out + tok * out_stride + head * d, out_stride);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (amx) {
+                attend_rows_amx(q + tok * q_stride + head * d, q_stride, rowsn, contexts[i] + t0, kp, kp + padded * d,
+                                d, scale, s, pb, out + tok * out_stride + head * d, out_stride);
+                continue;
+            }
+#endif
+            attend_rows_dp(q + tok * q_stride + head * d, q_stride, rowsn, contexts[i] + t0, kp, kp + padded * d, d,
+                           scale, s, pb, out + tok * out_stride + head * d, out_stride);
         }
         free(s);
         free(pb);
-        _tile_release();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) _tile_release();
+#endif
     }
     free(packed), free(packed_at);
     return failed ? -1 : 0;
 }
-
-#else
-
-int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *block_ids, int64_t nb, const int64_t *starts, const int64_t *lens,
-                             const int64_t *contexts, int64_t nseq, uint16_t *out, int64_t out_stride, int64_t hq,
-                             int64_t hkv, int64_t d, int64_t bs, float scale) {
-    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_ids, (void)nb, (void)starts, (void)lens;
-    (void)contexts, (void)nseq, (void)out, (void)out_stride, (void)hq, (void)hkv, (void)d, (void)bs, (void)scale;
-    abort(); /* never called: dolmus_amx_ready() said no */
-}
-
-#endif
