@@ -8,7 +8,8 @@ takes every prompt chunk of the step in one call, also from the cache in place, 
 attends to its cached blocks without gathering them (benchmarks/prefill_attention.py: ~2x SDPA
 at 128 tokens on AMX, 4-7x at 128-4,096 tokens on an AVX-512 BF16 CPU without AMX).
 The decode kernel takes a sliding window (it reads only the window's positions); the prefill
-kernel does not, so chunks a window cuts go through SDPA, as do quantized caches and shapes the kernels do not take, as in the torch backend.
+kernel does not, so chunks a window cuts go through SDPA, as do quantized caches and shapes the
+kernels do not take, as in the torch backend.
 """
 
 from __future__ import annotations
