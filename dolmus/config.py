@@ -28,9 +28,10 @@ DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
 # kernels and PyTorch's ops are most efficient around M=512 (measured: workload A of
 # benchmarks/offline_throughput.py ran ~6% faster at 512 than at 256, 1024 or 2048), and
 # smaller chunks keep decodes flowing during long prefills. Where every linear layer runs on
-# our AMX tile kernel the runner asks for AMX_CPU_BATCHED_TOKENS instead (model_runner.py).
+# our tile-packed kernel (AMX, or vdpbf16ps on AVX-512 BF16) the runner asks for
+# TILE_CPU_BATCHED_TOKENS instead (kernel_choice.suited_step_tokens).
 DEFAULT_CPU_BATCHED_TOKENS = 512
-AMX_CPU_BATCHED_TOKENS = 2048
+TILE_CPU_BATCHED_TOKENS = 2048
 DEFAULT_GPU_BATCHED_TOKENS = 2048
 
 

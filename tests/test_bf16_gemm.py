@@ -140,11 +140,11 @@ def test_a_bf16_model_on_tiles_takes_the_fused_decode_step_with_the_modules_bits
     assert fused.engine.runner.fused_steps >= 8
 
 
-@pytest.mark.skipif(not native.amx_ready(), reason="the 2048-token budget is for AMX tiles")
+@pytest.mark.skipif(not native.tile_gemm_ready(), reason="the 2048-token budget is for the tile kernel")
 def test_a_model_all_on_tiles_takes_steps_of_2048_tokens_unless_told(model_dir) -> None:
-    """The AMX tile kernel's cost per row stays flat past 512 rows, so the runner asks for the
-    larger step budget; oneDNN's products (no prepacked tiles) keep the CPU default, and an
-    explicit budget wins."""
+    """The tile kernel's cost per row (AMX or vdpbf16ps) stays flat past 512 rows, so the runner
+    asks for the larger step budget; oneDNN's products (no prepacked tiles) keep the CPU
+    default, and an explicit budget wins."""
     assert LLM(model=str(model_dir), dtype="bfloat16").engine.scheduler.max_num_batched_tokens == 2048
     assert (
         LLM(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dolmus.config import AMX_CPU_BATCHED_TOKENS, EngineConfig
+from dolmus.config import TILE_CPU_BATCHED_TOKENS, EngineConfig
 from dolmus.runtime import native
 from dolmus.runtime.attention.triton_backend import usable as triton_usable
 from dolmus.runtime.layers import triton_ops
@@ -53,14 +53,16 @@ def layer_ops(config: EngineConfig, attention_name: str, native_kernels: bool) -
 
 
 def suited_step_tokens(model: torch.nn.Module, device: torch.device) -> int | None:
-    """2048 on a CPU where every linear layer runs on the AMX tile kernel, whose cost per
-    row stays flat to 2048 rows and beyond (bf16_gemm.c); a larger budget there gave a better
-    TTFT p99 at 8 and 32 users with the same throughput and ITL. Elsewhere None (the
-    device's default): oneDNN's products, the quantized kernels and PyTorch's ops slowed
-    down past ~512 rows (a 32-prompt prefill 1.2-1.6x slower at 2048 than at 512)."""
+    """2048 on a CPU where every linear layer runs on our tile-packed kernel (AMX tiles, or
+    vdpbf16ps on AVX-512 BF16: bf16_gemm.c, bf16_gemm_avx512.c), whose cost per row stays flat
+    to 2048 rows and beyond; a larger budget there gave a better TTFT p99 at 8 and 32 users
+    with the same throughput and ITL (AMX), and 32 prompts of 128 tokens prefilled in the same
+    3.5 s at 512 and 2048 (an AMD EPYC without AMX). Elsewhere None (the device's default):
+    oneDNN's products, the quantized kernels and PyTorch's ops slowed down past ~512 rows (a
+    32-prompt prefill 1.2-1.6x slower at 2048 than at 512)."""
     if device.type != "cpu":
         return None
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if linears and native.amx_ready() and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
-        return AMX_CPU_BATCHED_TOKENS
+    if linears and native.tile_gemm_ready() and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
+        return TILE_CPU_BATCHED_TOKENS
     return None
