@@ -63,6 +63,7 @@ def suited_step_tokens(model: torch.nn.Module, device: torch.device) -> int | No
     if device.type != "cpu":
         return None
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if linears and native.tile_gemm_ready() and all(isinstance(m.method_state, TilePackedWeight) for m in linears):
+    on_tiles = all(isinstance(m.method_state, TilePackedWeight) for m in linears)
+    if linears and native.tile_gemm_ready() and on_tiles:
         return TILE_CPU_BATCHED_TOKENS
     return None
