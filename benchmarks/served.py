@@ -73,9 +73,10 @@ def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, f
     """Markdown table of the peer's runs and ours, load by load, with dolmus / peer ratios."""
     print(
         f"| load | {peer} tok/s | dolmus tok/s | dolmus / {peer} | TTFT p50 / p99 {peer} "
-        f"| TTFT p50 / p99 dolmus | TPOT p50 {peer} / dolmus | CPU pressure {peer} / dolmus |"
+        f"| TTFT p50 / p99 dolmus | TPOT p50 {peer} / dolmus | ITL p99 {peer} / dolmus "
+        f"| CPU pressure {peer} / dolmus |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, load in enumerate(loads):
         (p, pp), (d, dp) = runs[peer][i], runs["dolmus"][i]
         p, d = p["summary"], d["summary"]
@@ -85,5 +86,6 @@ def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, f
             f"| {1e3 * p['ttft']['p50']:.0f} / {1e3 * p['ttft']['p99']:.0f} ms "
             f"| {1e3 * d['ttft']['p50']:.0f} / {1e3 * d['ttft']['p99']:.0f} ms "
             f"| {1e3 * p['tpot']['p50']:.1f} / {1e3 * d['tpot']['p50']:.1f} ms "
+            f"| {1e3 * p['itl']['p99']:.0f} / {1e3 * d['itl']['p99']:.0f} ms "
             f"| {100 * pp:.1f}% / {100 * dp:.1f}% |"
         )

@@ -110,6 +110,7 @@ def main() -> None:
             print(
                 f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
                 f" / {1e3 * s['ttft']['p99']:.0f} ms, TPOT p50 {1e3 * s['tpot']['p50']:.1f} ms, "
+                f"ITL p99 {1e3 * s['itl']['p99']:.0f} ms, "
                 f"CPU pressure {100 * pressure:.1f}%"
             )
     else:

@@ -99,7 +99,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="step token budget (default: 512 CPU, 2048 where every linear runs on AMX tiles, 2048 GPU)",
+        help="step token budget (default: 512 on CPU, 2048 on GPU and where all linears run our tile kernel)",
+    )
+    g.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        help="inter-token latency target: while streams decode, a step takes only the prompt tokens "
+        "its measured cost fits within it (default: none, the token budget alone)",
     )
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching

@@ -344,13 +344,16 @@ class EngineConfig:
     kv_cache_memory: float | int | None = None  # bytes (int > 1) or fraction of free memory
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 128  # most requests running at once
-    # step token budget; None: 512 on CPU (2048 where linears run on AMX tiles), 2048 on GPU
+    # step token budget; None: 512 on CPU (2048 where linears run on our tile kernel), 2048 on GPU
     max_num_batched_tokens: int | None = None
+    # inter-token latency target (ms): while streams decode, a step carries only the prompt
+    # tokens that its measured cost says fit within it (engine/step_timing.py); None: the budget
+    itl_target_ms: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
-    # bf16 linear weights on CPU packed for the fastest kernel: AMX tile order (our kernel, with
-    # native_kernels) where the CPU has AMX, oneDNN's blocked layout elsewhere
+    # bf16 linear weights on CPU packed for the fastest kernel: tile order (our kernel, with
+    # native_kernels) where the CPU has AMX or AVX-512 BF16, oneDNN's blocked layout elsewhere
     prepack_weights: bool = True
     # on load: int8 | int4 | w8a8 (CPU) | fp8 (CUDA)
     quantization: str | None = choice(None, QUANTIZATIONS)
@@ -427,6 +430,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ValueError(f"itl_target_ms must be > 0 (milliseconds), got {self.itl_target_ms}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

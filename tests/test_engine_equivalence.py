@@ -9,6 +9,7 @@ import pytest
 from dolmus import LLM, SamplingParams
 from dolmus.config import EngineConfig
 from dolmus.engine.engine import Engine
+from dolmus.engine.step_timing import MIN_PROMPT_TOKENS
 from helpers import greedy, hf_greedy, random_prompts, run_tokens
 
 
@@ -149,3 +150,35 @@ def test_n4_distinct_samples_share_prompt_blocks(llama_dir):
     stats = llm.engine.stats()
     # 100-token prompt = 6 full blocks; 3 of the 4 sequences reuse the first one's.
     assert stats.prefix_cache_hits == 3 * 6 * 16
+
+
+def test_itl_target_keeps_tokens_while_prompts_go_in_smaller_chunks(llama_dir):
+    """A target no step can meet: while streams decode, each step carries only the minimum
+    prompt share, so arrivals prefill over several steps beside the decodes; the tokens are
+    transformers' all the same."""
+    prompts = random_prompts(lengths=[90, 70, 110, 40], seed=11)
+    ref = [hf_greedy(llama_dir, p) for p in prompts]
+    engine = Engine(EngineConfig(model=str(llama_dir), dtype="float32", itl_target_ms=1e-3))
+    prompt_shares: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        if any(s.request.num_output_tokens for s in out.scheduled):  # a stream decodes in it
+            prompt_shares.append(sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))
+        return out
+
+    engine.scheduler.schedule = recorded_schedule
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, greedy())
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    assert [results[str(i)] for i in range(len(prompts))] == ref
+    assert max(prompt_shares) == MIN_PROMPT_TOKENS  # chunks held to the minimum share

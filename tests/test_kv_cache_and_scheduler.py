@@ -5,6 +5,7 @@ from __future__ import annotations
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler
+from dolmus.engine.step_timing import MIN_PROMPT_TOKENS, StepTimes
 from dolmus.sampling_params import SamplingParams
 from dolmus.step import StepResult
 
@@ -168,3 +169,48 @@ def test_request_sharing_a_victims_fresh_blocks_is_preempted_with_it():
     assert victim.status == RequestStatus.WAITING
     sizes = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
     assert sizes == {"sharer": 8, "urgent": 4}
+
+
+def test_step_times_interpolate_and_grow_in_proportion_past_what_was_measured():
+    times = StepTimes()
+    assert times.estimate(10) is None
+    assert times.prompt_share(5, 0.1, 100) == 95  # nothing measured: the whole budget
+    times.observe(1, 0.02)
+    times.observe(65, 0.2)
+    assert times.estimate(1) == 0.02
+    assert abs(times.estimate(33) - (0.02 + 0.18 * 32 / 64)) < 1e-12
+    assert abs(times.estimate(130) - 0.4) < 1e-12  # 0.2 s for 65 tokens, in proportion
+    # 0.02 + 0.18 * P / 64 <= 0.15  ->  P <= 46.2
+    assert times.prompt_share(1, 0.15, 100) == 46
+    assert times.prompt_share(1, 0.001, 100) == MIN_PROMPT_TOKENS  # prompts still move
+    assert times.prompt_share(1, 10.0, 100) == 99
+    assert times.prompt_share(90, 0.001, 100) == 10  # never past the budget
+
+
+def test_itl_target_holds_prompt_work_beside_decodes_to_what_fits():
+    kv = KVCacheManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_model_len=300, itl_target=0.15)
+    sched.add(make_request("short", 3))
+    run_step(sched)  # no stream decodes yet: the whole budget
+    sched.step_times.observe(1, 0.02)
+    sched.step_times.observe(65, 0.2)
+    sched.add(make_request("long", 120, start=100))
+    sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
+    assert sizes == {"short": 1, "long": 46}  # the chunk that keeps the step within 0.15 s
+    sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
+    assert sizes == {"short": 1, "long": 46}  # a running prefill is held the same way
+    sched.finish("short", RequestStatus.FINISHED_ABORTED)
+    sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
+    assert sizes == {"long": 28}  # no stream left: the rest of the prompt at once
+
+
+def test_without_itl_target_prompts_take_the_whole_budget():
+    kv = KVCacheManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_model_len=300)
+    sched.add(make_request("short", 3))
+    run_step(sched)
+    sched.step_times.observe(1, 0.02)
+    sched.step_times.observe(65, 0.2)
+    sched.add(make_request("long", 120, start=100))
+    sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
+    assert sizes == {"short": 1, "long": 99}

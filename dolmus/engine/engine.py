@@ -115,6 +115,7 @@ class Engine:
             config.tier_specs,
             speculative,
             self.connector,
+            None if config.itl_target_ms is None else config.itl_target_ms / 1e3,
         )
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran

@@ -12,6 +12,10 @@ Order of business every step:
 With tiers (`EngineConfig.tier_specs`) the tier book adds reservations to both: each tier's
 reserved share of the token budget is held for it while it has work, and a tier within
 its reserved seats or blocks is not preempted by another tier (tier_book.py says how).
+
+With an inter-token latency target (`itl_target`), prompt work (new prompts, chunks of long
+ones, recomputation after a preemption) shares a step with decoding streams only up to what
+the measured step times say fits within the target (step_timing.py says how).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dolmus.engine.draft_planner import DraftPlanner, SpecStats
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_transfers import KVConnectorScheduler, LoadOutcome
 from dolmus.engine.request import Request, RequestStatus, ScheduledRequest
+from dolmus.engine.step_timing import StepTimes
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
 from dolmus.step import NewRequest, StepPlan, StepResult
@@ -59,8 +64,11 @@ class Scheduler:
         tiers: tuple[TierSpec, ...] = (),
         speculative: SpeculativeConfig | None = None,
         connector: KVConnectorScheduler | None = None,
+        itl_target: float | None = None,
     ) -> None:
         self.kv = kv
+        self.itl_target = itl_target  # seconds a step with decoding streams aims to stay within
+        self.step_times = StepTimes()
         self.connector = connector
         self.num_recomputed_tokens = 0  # tokens computed again after a preemption
         self._failed_loads: list[LoadOutcome] = []  # loads whose failure ends the request
@@ -81,6 +89,8 @@ class Scheduler:
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's timing of the step it ran from `out`."""
+        if self.itl_target is not None:
+            self.step_times.observe(out.num_batched_tokens, seconds)
         if self.drafts is not None:
             drafts = sum(len(item.drafts) for item in out.scheduled)
             self.drafts.step_costs.observe(out.num_batched_tokens - drafts, drafts, seconds)
@@ -166,6 +176,7 @@ class Scheduler:
 
         self.running.sort(key=lambda r: r.sort_key)
         self.book.begin_step(self.running, self.waiting.demand)
+        prompt_left = self._prompt_share()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -175,11 +186,10 @@ class Scheduler:
             if request.num_in_flight and self._may_end(request):
                 i += 1  # its token in flight may be its last: one wasted row at most otherwise
                 continue
-            num_new = min(
-                request.num_tokens + request.num_in_flight - request.num_computed_tokens,
-                self.book.allowance(request, budget),
-            )
-            if num_new <= 0:  # what is left is held for another tier this step
+            lacking = request.num_tokens + request.num_in_flight - request.num_computed_tokens
+            allowance = self.book.allowance(request, budget)
+            num_new = min(lacking, allowance if lacking == 1 else min(allowance, prompt_left))
+            if num_new <= 0:  # what is left is held for another tier, or for the streams' ITL
                 i += 1
                 continue
             while not self.kv.allocate(request, num_new):
@@ -191,6 +201,8 @@ class Scheduler:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new)
                 self.book.spend(request, num_new)
                 budget -= num_new
+                if lacking > 1:
+                    prompt_left -= num_new
                 i += 1
                 continue
             break
@@ -198,12 +210,12 @@ class Scheduler:
         # A step that had to preempt for memory admits nobody: the pool is over-committed.
         pool_short = bool(preempted)
         reclaimed: set[str] = set()  # more urgent requests preempted for a tier's reservation
-        while not pool_short and self.waiting and budget > 0:
+        while not pool_short and self.waiting and min(budget, prompt_left) > 0:
             request = self.waiting.peek()
             assert request is not None
             if request.request_id in reclaimed:
                 break  # it just gave a reservation back: not back in before the next step
-            while (allowance := self.book.allowance(request, budget)) > 0:
+            while (allowance := min(self.book.allowance(request, budget), prompt_left)) > 0:
                 short = self._admit(request, allowance, scheduled)
                 if short is None:
                     break
@@ -221,6 +233,7 @@ class Scheduler:
             if item is not None:  # None: it loads its blocks this step
                 self.book.spend(request, item.num_new_tokens)
                 budget -= item.num_new_tokens
+                prompt_left -= item.num_new_tokens
 
         if self.drafts is not None and budget > 0 and not preempted:
             self.drafts.add_drafts(scheduled, budget, len(self.running))
@@ -236,6 +249,16 @@ class Scheduler:
             self.connector.on_scheduled([(item.request, item.samples) for item in out_list])
             plan.kv_transfer = self.connector.take_transfer()
         return SchedulerOutput(plan, out_list, preempted)
+
+    def _prompt_share(self) -> int:
+        """Prompt tokens this step may carry: all of the budget, unless an ITL target holds it
+        to what fits beside the running streams' decodes."""
+        if self.itl_target is None:
+            return self.max_num_batched_tokens
+        streams = sum(1 for r in self.running if r.num_output_tokens + r.num_in_flight > 0)
+        if not streams:
+            return self.max_num_batched_tokens
+        return self.step_times.prompt_share(streams, self.itl_target, self.max_num_batched_tokens)
 
     def _may_end(self, request: Request) -> bool:
         """Whether the request's tokens in flight can reach its length limits (stop tokens

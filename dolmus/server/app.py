@@ -210,6 +210,7 @@ class ServerState:
                 "block_size": config.block_size,
                 "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens,
+                "itl_target_ms": config.itl_target_ms,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "speculative": None if spec is None else dataclasses.asdict(spec),
                 "engine_core": self.server_config.engine_core,
