@@ -353,7 +353,9 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     # bf16 linear weights on CPU packed for the fastest kernel: tile order (our kernel, with
-    # native_kernels) where the CPU has AMX or AVX-512 BF16, oneDNN's blocked layout elsewhere
+    # native_kernels) where the CPU has AMX or AVX-512 BF16, oneDNN's blocked layout elsewhere;
+    # where bf16 is emulated (AVX2), a bf16 checkpoint's weights kept in bf16 under float32
+    # (with native_kernels)
     prepack_weights: bool = True
     # on load: int8 | int4 | w8a8 (CPU) | fp8 (CUDA)
     quantization: str | None = choice(None, QUANTIZATIONS)

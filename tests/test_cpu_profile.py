@@ -66,6 +66,11 @@ CAPPED = textwrap.dedent(
     runner = llm.engine.executor.runner
     assert runner.dtype == torch.float32, runner.dtype
     assert runner.native_kernels == ({isa!r} == "avx2"), runner.native_kernels
+    if {isa!r} == "avx2":  # the bf16 weights stay bf16 under float32 (half the bytes)
+        from dolmus.runtime.layers.linear import Linear
+        from dolmus.runtime.layers.unquantized import Bf16Weights
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert linears and all(isinstance(m.method_state, Bf16Weights) for m in linears)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     want = [hf_greedy(folder, p, 12) for p in prompts]
@@ -118,7 +123,7 @@ def test_the_avx2_kernels_built_without_avx512() -> None:
     use AVX-512); capped, its tests run the code an AVX2-only host runs."""
     if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index("avx512"):
         pytest.skip("the suite already runs the AVX2 kernels as an AVX2-only host builds them")
-    proc = _suite_under("avx2", ["test_native_f32_kernels.py", "test_gguf_blocks.py"])
+    proc = _suite_under("avx2", ["test_native_f32_kernels.py", "test_gguf_blocks.py", "test_bf16_weights.py"])
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 

@@ -7,7 +7,9 @@ our tile kernel (runtime/native/bf16_gemm.c) streams at about the full read band
 rows: 27 against oneDNN's 21.6 GB/s at one row, 23 against 18.4 at 32, within ~7% of it on
 prefill chunks of 256-512 rows. On AVX-512 BF16 without AMX the same packed layout runs on
 vdpbf16ps (bf16_gemm_avx512.c): 1.0-1.5x oneDNN up to 16 rows, 0.9-1.2x past that
-(benchmarks/bf16_linear.py), and it lets the fused decode step run bf16 weights.
+(benchmarks/bf16_linear.py), and it lets the fused decode step run bf16 weights. Where bf16 is
+emulated (AVX2 only) a bf16 checkpoint runs in float32, and its weights stay in bf16, widened in
+registers (bf16_weights_f32.c): half the bytes per decode step.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dolmus.runtime.layers.linear_method import (
     NativeLinear,
     tensor_bytes,
 )
-from dolmus.runtime.native import bf16_gemm
+from dolmus.runtime.native import bf16_gemm, bf16_weights
 
 
 @dataclass
@@ -55,6 +57,18 @@ class TilePackedWeight(LinearState):
         return tensor_bytes(self.packed, self.bias)
 
 
+@dataclass
+class Bf16Weights(LinearState):
+    """A float32 layer's weight kept in bf16 (exact: a bf16 checkpoint's), in bf16_weights.py's
+    panels; the bias stays the layer's float32 parameter."""
+
+    packed: torch.Tensor
+    out_features: int
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, prepack: bool = True, native: bool = True) -> None:
         self.prepack = prepack
@@ -62,6 +76,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight
+        if self._keeps_bf16(w):
+            layer.method_state = Bf16Weights(bf16_weights.pack(w.detach()), layer.out_features)
+            if not layer.weight_shared:
+                layer.weight.data = torch.empty(0, dtype=w.dtype)
+            return
         if not (self.prepack and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return
         if self.native and native.tile_gemm_ready():
@@ -78,8 +97,20 @@ class UnquantizedLinearMethod(LinearMethod):
         if not layer.weight_shared:  # the packed copy is the only one needed from now on
             layer.weight.data = torch.empty(0, dtype=w.dtype)
 
+    def _keeps_bf16(self, w: torch.Tensor) -> bool:
+        return (
+            self.prepack
+            and self.native
+            and w.device.type == "cpu"
+            and w.dtype == torch.float32
+            and bf16_weights.ready()
+            and bf16_weights.exact_in_bf16(w)
+        )
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         state = layer.method_state
+        if isinstance(state, Bf16Weights):
+            return bf16_weights.matmul(x, state.packed, state.out_features, layer.bias)
         if isinstance(state, TilePackedWeight):
             if state.gated:  # the layer's own output order is (gate, up): unfused
                 return self._unfused(state, x)

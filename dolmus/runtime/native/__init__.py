@@ -15,7 +15,10 @@
 
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
-  with float32 activations (dolmus/quant/gguf_blocks.py wraps them).
+  with float32 activations (dolmus/quant/gguf_blocks.py wraps them);
+- layer_kernels_f32.c: the float32 RMSNorm, rotary, SiLU-and-multiply and decode attention;
+- bf16_weights_f32.c: float32 products on weights kept in bf16, where bf16 is emulated
+  (bf16_weights.py).
 
 At batch 1 a decode step is a few hundred small PyTorch ops besides the weight reads, each
 costing microseconds of dispatch and a wake-up of the thread pool; one call here replaces
@@ -117,7 +120,7 @@ _AVX512 = _Spec(
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
-    ("block_kernels.c", "layer_kernels_f32.c"),
+    ("block_kernels.c", "layer_kernels_f32.c", "bf16_weights_f32.c"),
     ("avx2", "fma", "f16c"),
     {
         "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -134,6 +137,8 @@ _AVX2 = _Spec(
         + [_f32, _i64],
         "dolmus_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
         "dolmus_rotary_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
+        # (x, packed, bias or NULL, y, M, N, K)
+        "dolmus_bf16w_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     },
 )
 LIBRARIES = (_AVX512, _AVX2)

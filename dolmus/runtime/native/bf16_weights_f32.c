@@ -1,0 +1,136 @@
+/* bf16 weights, float32 activations and sums, on AVX2 + FMA: the linear layers of a float32
+ * model whose weights are exact in bf16 (a bf16 checkpoint run in float32 where the CPU has no
+ * bf16 arithmetic), so a decode step reads 2 bytes per weight instead of 4.
+ *
+ * Layout (bf16_weights.py packs it): panels of 16 outputs, P[panel][k][16] = w[16 panel + o][k],
+ * outputs past N zero. A panel's 16 weights of input k are 32 contiguous bytes; widened to two
+ * registers of 8 floats (a bf16 is the high half of its float32), they meet x[r][k] broadcast in
+ * a fused multiply-add. A block of up to ROWS activation rows shares each widened pair (2 ROWS
+ * sums in registers); K goes in chunks whose weights stay in L1 while every block of rows passes
+ * over them, so the weights come from memory once per call. One row (a decode step) goes
+ * through GROUP panels at once instead: 2 GROUP independent chains of sums, so the adds' latency
+ * does not bound the weight stream. Threads take contiguous runs of panels, one stream each for
+ * the hardware prefetcher.
+ *
+ * Every sum is float32 in input order whatever the number of rows, so a row's result does not
+ * depend on its batch.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define ROWS 4            /* activation rows per block: 8 sums in registers */
+#define CHUNK 512         /* inputs per chunk: 16 KB of a panel's weights */
+#define GROUP 4           /* panels one row goes through at once */
+
+static inline __m256 widen_lo(__m256i w) { /* bf16 lanes 0-7 -> float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16));
+}
+
+static inline __m256 widen_hi(__m256i w) { /* bf16 lanes 8-15 -> float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16));
+}
+
+/* Inputs [k0, k1) of rows [0, R) of x (rows ldx apart) times panel pp, added to acc (R rows of
+ * 16 floats). R is a constant at each call site, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp, int64_t k0, int64_t k1,
+                                                                const float *x, int64_t ldx, const int R,
+                                                                float *acc) {
+    __m256 s[ROWS][2];
+    for (int r = 0; r < R; r++) {
+        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
+        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(pp + 16 * k));
+        __m256 lo = widen_lo(w), hi = widen_hi(w);
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            s[r][0] = _mm256_fmadd_ps(a, lo, s[r][0]);
+            s[r][1] = _mm256_fmadd_ps(a, hi, s[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
+        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
+    }
+}
+
+/* One row x times panels [0, G) from pp (K inputs each) -> sums[G][16]. */
+static inline __attribute__((always_inline)) void row_panels(const uint16_t *pp, int64_t K, const float *x,
+                                                                const int G, float *sums) {
+    __m256 s[GROUP][2];
+    for (int g = 0; g < G; g++) s[g][0] = s[g][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 a = _mm256_broadcast_ss(x + k);
+        for (int g = 0; g < G; g++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(pp + (g * K + k) * 16));
+            s[g][0] = _mm256_fmadd_ps(a, widen_lo(w), s[g][0]);
+            s[g][1] = _mm256_fmadd_ps(a, widen_hi(w), s[g][1]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        _mm256_storeu_ps(sums + 16 * g, s[g][0]);
+        _mm256_storeu_ps(sums + 16 * g + 8, s[g][1]);
+    }
+}
+
+/* Outputs [n0, n0 + 16 count) of rows [0, rows) from their sums (16 per panel, rows 16 count
+ * apart), plus bias, those below N written. */
+static void store_rows(const float *acc, int64_t rows, int64_t count, const float *bias, float *y, int64_t N,
+                       int64_t n0) {
+    int64_t valid = N - n0 < 16 * count ? N - n0 : 16 * count;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < valid; o++) y[r * N + n0 + o] = acc[r * 16 * count + o] + (bias ? bias[n0 + o] : 0.0f);
+}
+
+/* Rows [0, M) of one panel (outputs n0 .. n0 + 15, those below N written) -> y. */
+static void panel_product(const uint16_t *pp, int64_t K, const float *x, int64_t M, const float *bias, float *y,
+                          int64_t N, int64_t n0, float *acc) {
+    memset(acc, 0, sizeof(float) * 16 * (size_t)M);
+    for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
+        int64_t k1 = k0 + CHUNK < K ? k0 + CHUNK : K;
+        int64_t m0 = 0;
+        for (; m0 + ROWS <= M; m0 += ROWS) fma_inputs(pp, k0, k1, x + m0 * K, K, ROWS, acc + 16 * m0);
+        switch (M - m0) { /* the last rows */
+        case 1: fma_inputs(pp, k0, k1, x + m0 * K, K, 1, acc + 16 * m0); break;
+        case 2: fma_inputs(pp, k0, k1, x + m0 * K, K, 2, acc + 16 * m0); break;
+        case 3: fma_inputs(pp, k0, k1, x + m0 * K, K, 3, acc + 16 * m0); break;
+        default: break;
+        }
+    }
+    store_rows(acc, M, 1, bias, y, N, n0);
+}
+
+/* y [M][N] = x [M][K] (float32, rows contiguous) times the packed bf16 weight, plus bias
+ * (float32, or NULL). */
+void dolmus_bf16w_gemm_f32(const float *x, const uint16_t *packed, const float *bias, float *y, int64_t M, int64_t N,
+                           int64_t K) {
+    int64_t panels = (N + 15) / 16;
+    if (M == 1) {
+        int64_t groups = (panels + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            float sums[16 * GROUP];
+            int64_t p = g * GROUP, count = panels - p < GROUP ? panels - p : GROUP;
+            const uint16_t *pp = packed + p * K * 16;
+            switch (count) {
+            case 1: row_panels(pp, K, x, 1, sums); break;
+            case 2: row_panels(pp, K, x, 2, sums); break;
+            case 3: row_panels(pp, K, x, 3, sums); break;
+            default: row_panels(pp, K, x, GROUP, sums); break;
+            }
+            store_rows(sums, 1, count, bias, y, N, p * 16);
+        }
+        return;
+    }
+#pragma omp parallel
+    {
+        float *acc = malloc(sizeof(float) * 16 * (size_t)M);
+        if (!acc) abort();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) panel_product(packed + p * K * 16, K, x, M, bias, y, N, p * 16, acc);
+        free(acc);
+    }
+}
