@@ -42,7 +42,7 @@ from dolmus.runtime.cpu_profile import cpu_profile  # noqa: E402
 from dolmus.runtime.native import bf16_weights  # noqa: E402
 
 
-def layer_lines(name: str, rows: list[int], copies_of: int, bandwidth: float, gen: torch.Generator) -> None:
+def layer_lines(name: str, rows: list[int], copies_of: int, gen: torch.Generator) -> None:
     n, k = LAYERS[name]
     copies = max(1, -(-copies_of // (n * k * 2)))
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16().float()
@@ -56,9 +56,7 @@ def layer_lines(name: str, rows: list[int], copies_of: int, bandwidth: float, ge
             rates = f"{n * k * 4 / a / 1e9:6.1f} GB/s {n * k * 2 / b / 1e9:6.1f} GB/s"
         else:
             rates = f"{2 * m * n * k / a / 1e9:6.1f} GF/s {2 * m * n * k / b / 1e9:6.1f} GF/s"
-        print(
-            f"{name:>8} {m:5d} {a * 1e6:10.1f} {b * 1e6:9.1f}  {rates}  {a / b:6.2f}x  (read {bandwidth / 1e9:.1f} GB/s)"
-        )
+        print(f"{name:>8} {m:5d} {a * 1e6:10.1f} {b * 1e6:9.1f}  {rates}  {a / b:6.2f}x")
 
 
 def decode_step_ms(llm: LLM, users: int, seed: int) -> float:
