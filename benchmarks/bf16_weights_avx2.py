@@ -92,9 +92,7 @@ def main() -> None:
     print(f"{'layer':>8} {'rows':>5} {'f32 us':>10} {'ours us':>9}  {'f32':>12} {'ours':>12}  ratio")
     gen = torch.Generator().manual_seed(0)
     for name in args.layers.split(","):
-        layer_lines(
-            name, [int(r) for r in args.rows.split(",")], 4 * (profile.l3_kib or 32768) * 1024, bandwidth, gen
-        )
+        layer_lines(name, [int(r) for r in args.rows.split(",")], 4 * (profile.l3_kib or 32768) * 1024, gen)
 
     model = str(llama_body_dir())
     f32 = LLM(model=model, num_threads=2, prepack_weights=False)
