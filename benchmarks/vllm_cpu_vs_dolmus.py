@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from served import Load, bench, print_table, start_peer  # noqa: E402
+from served import Load, bench, itl_max, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> None:
             print(
                 f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
                 f" / {1e3 * s['ttft']['p99']:.0f} ms, TPOT p50 {1e3 * s['tpot']['p50']:.1f} ms, "
-                f"ITL p99 {1e3 * s['itl']['p99']:.0f} ms, "
+                f"ITL p99 / max {1e3 * s['itl']['p99']:.0f} / {1e3 * itl_max(run):.0f} ms, "
                 f"CPU pressure {100 * pressure:.1f}%"
             )
     else:
