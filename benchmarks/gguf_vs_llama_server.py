@@ -18,7 +18,9 @@ OUT.gguf Q4_K_M`, with build/bin on LD_LIBRARY_PATH; rows that do not split into
 such as SmolLM2's 576 inputs, fall back to Q5_0/Q8_0 as llama.cpp's own downloads do.)
 
 (on a CPU whose native AMX build dies with "Illegal instruction", use -DGGML_NATIVE=OFF with
-the AVX-512 flags on, and say so.) Then:
+the AVX-512 flags on, and say so. For the AVX2-only comparison on a CPU that has more, build
+with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF and run
+this script under DOLMUS_CPU_ISA=avx2, which the dolmus server inherits.) Then:
 
     python benchmarks/gguf_vs_llama_server.py --llama-server PATH/build/bin/llama-server
 """
