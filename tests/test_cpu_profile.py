@@ -71,6 +71,7 @@ CAPPED = textwrap.dedent(
         from dolmus.runtime.layers.unquantized import Bf16Weights
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
         assert linears and all(isinstance(m.method_state, Bf16Weights) for m in linears)
+        assert runner.fused_decoder is not None  # decode_step_f32.c
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     want = [hf_greedy(folder, p, 12) for p in prompts]
@@ -123,7 +124,15 @@ def test_the_avx2_kernels_built_without_avx512() -> None:
     use AVX-512); capped, its tests run the code an AVX2-only host runs."""
     if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index("avx512"):
         pytest.skip("the suite already runs the AVX2 kernels as an AVX2-only host builds them")
-    proc = _suite_under("avx2", ["test_native_f32_kernels.py", "test_gguf_blocks.py", "test_bf16_weights.py"])
+    proc = _suite_under(
+        "avx2",
+        [
+            "test_native_f32_kernels.py",
+            "test_gguf_blocks.py",
+            "test_bf16_weights.py",
+            "test_fused_decode_f32.py",
+        ],
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 

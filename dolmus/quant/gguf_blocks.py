@@ -166,6 +166,27 @@ class BlockQuantMethod(LinearMethod):
             y += layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
+    def native_linear(self, layer: Linear) -> NativeLinear | None:
+        """`matmul`'s product at up to TILE_MAX_ROWS rows (the fused float32 decode step)."""
+        state: BlockState = layer.method_state  # type: ignore[assignment]
+        w = state.weight
+        if w.bits == 4:
+            kind = NativeKind.Q4_F32
+        else:
+            kind = NativeKind.Q8_I8 if state.int8_x and TILE_MAX_ROWS <= I8_MAX_ROWS else NativeKind.Q8_F32
+        n, k = w.shape
+        return NativeLinear(
+            kind,
+            w.codes,
+            n,
+            k,
+            scale=w.scale,
+            zero=w.minimum,
+            bias=layer.bias,
+            group=BLOCK // w.group if w.bits == 8 else 0,
+            max_rows=TILE_MAX_ROWS,
+        )
+
 
 def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: bool = False) -> BlockCodes:
     """The layer's parts stacked along its output rows. Parts of one form are stacked as they

@@ -51,6 +51,16 @@ class NativeKind(IntEnum):
     INT4 = 1  # quant_kernels.c's int4 kernel
     INT8 = 2  # its int8 kernel, a float32 scale per output row
     INT8_GROUPS = 3  # its grouped int8 kernel (GGUF's 8-bit blocks)
+    # float32 models (decode_step_f32.c), on the AVX2 library:
+    BF16_F32 = 4  # bf16_weights_f32.c: bf16 weights, float32 bias added inside
+    Q4_F32 = 5  # block_kernels.c's 4-bit blocks, scale (and minimum) per block of 32
+    Q8_F32 = 6  # its 8-bit blocks, `group` scales per block of 32
+    Q8_I8 = 7  # the same with the activations rounded to int8 per block
+
+
+# The kinds each fused decode step takes: bf16 models (decode_step.c), float32 ones (decode_step_f32.c).
+BF16_KINDS = frozenset({NativeKind.AMX_BF16, NativeKind.INT4, NativeKind.INT8, NativeKind.INT8_GROUPS})
+F32_KINDS = frozenset({NativeKind.BF16_F32, NativeKind.Q4_F32, NativeKind.Q8_F32, NativeKind.Q8_I8})
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,8 @@ class NativeLinear:
     k: int  # input features
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
-    bias: torch.Tensor | None = None  # AMX_BF16: float32 (in the kernel); others: bf16, added after
+    # AMX_BF16, BF16_F32: float32, added in the kernel; others: the model's dtype, added after
+    bias: torch.Tensor | None = None
     group: int = 0
     gated: bool = False  # AMX_BF16: the product ends in SiLU(gate) * up
     max_rows: int | None = None  # above this many rows the method takes another path

@@ -129,6 +129,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def native_linear(self, layer: Linear) -> NativeLinear | None:
         state = layer.method_state
+        if isinstance(state, Bf16Weights):
+            return NativeLinear(
+                NativeKind.BF16_F32, state.packed, state.out_features, layer.in_features, bias=layer.bias
+            )
         if not isinstance(state, TilePackedWeight):
             return None  # oneDNN's or PyTorch's product
         return NativeLinear(

@@ -4,10 +4,12 @@ A step in which every sequence has one new token (no prefill chunk, no drafts) r
 token ids to the final norm in one native call: the very kernels the modules call, in the
 same order with the same rounding, without the Python calls and PyTorch ops between them,
 which at one sequence of a small model cost as much as reading its weights. It is built only
-where every part of the model already runs on a kernel of ours (bf16 on AVX-512 BF16, the
-native attention backend over a plain cache, every linear layer on our AMX, int4, int8 or
-grouped int8 kernel, one tensor-parallel rank); elsewhere, and for every other step, the
-modules run. The CPU's counterpart of the decode-only CUDA graphs other engines capture.
+where every part of the model already runs on a kernel of ours (the native attention backend
+over a plain cache, one tensor-parallel rank, and either bf16 on AVX-512 BF16 with every
+linear layer on our AMX, int4, int8 or grouped int8 kernel (decode_step.c), or float32 on AVX2
+with every linear layer on bf16 weights or GGUF blocks (decode_step_f32.c)); elsewhere, and
+for every other step, the modules run. The CPU's counterpart of the decode-only CUDA graphs
+other engines capture.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from dolmus.runtime import native
 from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.linear import Linear
-from dolmus.runtime.layers.linear_method import NativeLinear
+from dolmus.runtime.layers.linear_method import BF16_KINDS, F32_KINDS, NativeLinear
 from dolmus.runtime.native import decode_step
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ class FusedDecoder:
     desc: decode_step.DecoderDesc
     max_rows: int
     hidden: int
+    dtype: torch.dtype  # bf16: decode_step.c; float32: decode_step_f32.c
     keep: list[object] = field(default_factory=list)  # what the descriptors point into
 
     def run(
@@ -50,7 +53,7 @@ class FusedDecoder:
             raise ValueError(
                 f"a fused decode step takes 1 to {self.max_rows} sequences, not {tokens.shape[0]}"
             )
-        out = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
+        out = torch.empty(tokens.shape[0], self.hidden, dtype=self.dtype)
         decode_step.decode_step(self.desc, tokens, positions, slots, block_ids, lengths, out)
         return out
 
@@ -65,6 +68,8 @@ def build_fused_decoder(
     why = _unsupported(model, kv_caches)
     if why:
         return None, why
+    dtype = inner.embed_tokens.weight.dtype
+    kinds = BF16_KINDS if dtype == torch.bfloat16 else F32_KINDS
     linears: list[list[NativeLinear]] = []
     for layer in inner.layers:
         parts = [
@@ -74,7 +79,7 @@ def build_fused_decoder(
             layer.mlp.down_proj,
         ]
         found = [_native(p) for p in parts]
-        if any(f is None for f in found):
+        if any(f is None or f.kind not in kinds for f in found):
             return None, "a linear layer runs on oneDNN's or PyTorch's product, not one of our kernels"
         linears.append(found)  # type: ignore[arg-type]
     limits = [lin.max_rows for row in linears for lin in row if lin.max_rows is not None]
@@ -106,7 +111,7 @@ def build_fused_decoder(
         "act": inner_size,
         "delta": hidden,
     }
-    buffers = {name: torch.empty(rows, cols, dtype=torch.bfloat16) for name, cols in scratch.items()}
+    buffers = {name: torch.empty(rows, cols, dtype=dtype) for name, cols in scratch.items()}
     keep += list(buffers.values())
     desc = decode_step.DecoderDesc(
         num_layers=len(inner.layers),
@@ -126,7 +131,7 @@ def build_fused_decoder(
         **{name: t.data_ptr() for name, t in buffers.items()},
     )
     keep.append(model)  # its weights, norms, embedding and rotary tables
-    return FusedDecoder(desc, rows, hidden, keep), ""
+    return FusedDecoder(desc, rows, hidden, dtype, keep), ""
 
 
 def _native(linear: Linear) -> NativeLinear | None:
@@ -139,19 +144,29 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKV]) -> str:
     """Why the fused step cannot reproduce the modules here ("" if it can)."""
     inner, cfg = model.model, model.cfg
     attn0, mlp0 = inner.layers[0].self_attn, inner.layers[0].mlp
-    if native.library() is None:
-        return "our AVX-512 BF16 kernels do not run here"
-    if inner.embed_tokens.weight.dtype != torch.bfloat16:
-        return "the model does not run in bf16"
-    if any(type(c) is not PagedKV or c.data.dtype != torch.bfloat16 for c in kv_caches):
+    dtype = inner.embed_tokens.weight.dtype
+    if dtype == torch.bfloat16:
+        if native.library() is None:
+            return "our AVX-512 BF16 kernels do not run here"
+        # the shapes each kernel takes (layer_kernels.c); the modules fall back to PyTorch otherwise
+        if cfg.hidden_size % 16 or attn0.head_dim % 32 or attn0.head_dim > 256 or mlp0.size % 16:
+            return "hidden, head or MLP sizes our kernels do not take"
+    elif dtype == torch.float32:
+        if native.avx2_library() is None:
+            return "our AVX2 kernels do not run here"
+        # layer_kernels_f32.c's shapes, as the native ops table and backend check them
+        if cfg.hidden_size % 8 or attn0.head_dim % 16 or attn0.head_dim > 256:
+            return "hidden or head sizes our kernels do not take"
+        if attn0.q_norm is not None:  # the modules norm q/k views with PyTorch: other float32 bits
+            return "q/k norms in float32"
+    else:
+        return "the model runs in neither bf16 nor float32"
+    if any(type(c) is not PagedKV or c.data.dtype != dtype for c in kv_caches):
         return "the KV cache is quantized"
     if attn0.qkv_proj.parallel.tp_size != 1:
         return "tensor parallel"
     if attn0.backend.name != "native":
         return f"the {attn0.backend.name} attention backend"
-    # the shapes each kernel takes (layer_kernels.c); the modules fall back to PyTorch otherwise
-    if cfg.hidden_size % 16 or attn0.head_dim % 32 or attn0.head_dim > 256 or mlp0.size % 16:
-        return "hidden, head or MLP sizes our kernels do not take"
     if attn0.ops.name != "native":
         return "native kernels are off"
     return ""

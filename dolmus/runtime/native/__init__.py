@@ -18,7 +18,8 @@
   with float32 activations (dolmus/quant/gguf_blocks.py wraps them);
 - layer_kernels_f32.c: the float32 RMSNorm, rotary, SiLU-and-multiply and decode attention;
 - bf16_weights_f32.c: float32 products on weights kept in bf16, where bf16 is emulated
-  (bf16_weights.py).
+  (bf16_weights.py);
+- decode_step_f32.c: decode_step.c's whole decode step for float32 models, on these kernels.
 
 At batch 1 a decode step is a few hundred small PyTorch ops besides the weight reads, each
 costing microseconds of dispatch and a wake-up of the thread pool; one call here replaces
@@ -120,7 +121,7 @@ _AVX512 = _Spec(
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
-    ("block_kernels.c", "layer_kernels_f32.c", "bf16_weights_f32.c"),
+    ("block_kernels.c", "layer_kernels_f32.c", "bf16_weights_f32.c", "decode_step_f32.c"),
     ("avx2", "fma", "f16c"),
     {
         "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -139,7 +140,10 @@ _AVX2 = _Spec(
         "dolmus_rotary_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
         # (x, packed, bias or NULL, y, M, N, K)
         "dolmus_bf16w_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+        # as dolmus_decode_step
+        "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     },
+    headers=("kernels_f32.h",),
 )
 LIBRARIES = (_AVX512, _AVX2)
 # every other kernel returns nothing

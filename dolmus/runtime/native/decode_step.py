@@ -1,4 +1,5 @@
-"""Python face of decode_step.c: its descriptor structs, filled from tensors, and the call.
+"""Python face of decode_step.c and decode_step_f32.c: their descriptor structs (one layout for
+both, tensors of the model's dtype), filled from tensors, and the call.
 
 The structs hold raw pointers: whoever builds them keeps the tensors alive (FusedDecoder in
 runtime/models/llama_decode.py holds the model and its scratch buffers)."""
@@ -10,7 +11,7 @@ import ctypes
 import torch
 
 from dolmus.runtime.layers.linear_method import NativeLinear
-from dolmus.runtime.native import library
+from dolmus.runtime.native import avx2_library, library
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -87,8 +88,13 @@ def decode_step(
     out: torch.Tensor,
 ) -> None:
     """Run the step: tokens, positions, slots, lengths [rows] and block_ids [rows, nb], all
-    int64 and contiguous; out [rows, hidden] gets the final norm's output."""
-    library().dolmus_decode_step(
+    int64 and contiguous; out [rows, hidden] gets the final norm's output. A bf16 `out` runs
+    decode_step.c, a float32 one decode_step_f32.c (the descriptors' tensors in that dtype)."""
+    if out.dtype == torch.float32:
+        step = avx2_library().dolmus_decode_step_f32
+    else:
+        step = library().dolmus_decode_step
+    step(
         ctypes.addressof(decoder),
         tokens.shape[0],
         tokens.data_ptr(),

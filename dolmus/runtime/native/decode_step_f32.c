@@ -1,0 +1,102 @@
+/* decode_step.c for float32 models on AVX2: one decode step of a Llama-family model in one
+ * call, on the float32 kernels (layer_kernels_f32.c) and the AVX2 products (bf16 weights kept
+ * under float32, bf16_weights_f32.c; GGUF's 4- and 8-bit blocks, block_kernels.c).
+ *
+ * The module path makes the same calls with PyTorch's float32 adds between them, so the hidden
+ * states are bit for bit the module path's (runtime/models/llama_decode.py builds the
+ * descriptors, whose layout is decode_step.c's with float32 tensors, and the tests compare the
+ * two). Where bf16 is emulated this is what a decode step of a bf16 or GGUF checkpoint runs.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels_f32.h"
+
+/* Which kernel multiplies a linear layer (layers/linear_method.py's NativeKind). */
+enum { LINEAR_BF16_F32 = 4, LINEAR_Q4_F32 = 5, LINEAR_Q8_F32 = 6, LINEAR_Q8_I8 = 7 };
+
+typedef struct {
+    int64_t kind;
+    const void *packed; /* the weight in its kernel's layout */
+    const float *scale; /* blocks: a scale per block (8-bit: per `group` scales of a block) */
+    const float *zero;  /* blocks: a minimum per block, or NULL */
+    const float *bias;  /* bf16 weights: added in the kernel; blocks: added after; or NULL */
+    int64_t n, k, group; /* group, 8-bit blocks: scales per block of 32 */
+    int64_t gated;       /* unused here */
+} linear_f32;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] (Qwen3), or NULL */
+    linear_f32 qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [slots][kv_heads][head_dim] */
+    int64_t window;           /* sliding attention window, or 0: the whole context */
+} layer_f32;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
+    float eps, scale;
+    const layer_f32 *layers;
+    const float *embed, *final_norm, *cos, *sin;
+    float *residual, *normed, *qkv, *attn, *gate_up, *act, *delta; /* scratch, most rows */
+} decoder_f32;
+
+static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {
+    switch (l->kind) {
+    case LINEAR_BF16_F32:
+        dolmus_bf16w_gemm_f32(x, l->packed, l->bias, y, m, l->n, l->k);
+        return; /* its bias is added inside, as the module path's */
+    case LINEAR_Q4_F32:
+        dolmus_q4_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);
+        break;
+    case LINEAR_Q8_F32:
+        dolmus_q8_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+        break;
+    default:
+        dolmus_q8_gemm_i8(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+    }
+    if (l->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < l->n; c++) y[r * l->n + c] += l->bias[c];
+}
+
+static void add_rows(float *y, const float *b, int64_t rows, int64_t n) {
+    for (int64_t i = 0; i < rows * n; i++) y[i] += b[i];
+}
+
+/* As dolmus_decode_step (decode_step.c), in float32. */
+void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
+                            const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
+                            float *out) {
+    const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
+    const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
+    for (int64_t t = 0; t < rows; t++)
+        memcpy(m->residual + t * hidden, m->embed + tokens[t] * hidden, sizeof(float) * (size_t)hidden);
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const layer_f32 *L = m->layers + i;
+        dolmus_rms_norm_f32(m->residual, L->input_norm, m->normed, rows, hidden, m->eps);
+        linear(&L->qkv, m->normed, m->qkv, rows);
+        for (int64_t t = 0; t < rows; t++) {
+            float *row = m->qkv + t * width;
+            if (L->q_norm) { /* in place: each row's statistics are read before it is written */
+                dolmus_rms_norm_f32(row, L->q_norm, row, hq, d, m->eps);
+                dolmus_rms_norm_f32(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
+            }
+            const int64_t p = positions[t];
+            dolmus_rotary_f32(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
+            size_t bytes = sizeof(float) * (size_t)kv_size;
+            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, bytes);
+            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, bytes);
+        }
+        dolmus_decode_attention_f32(m->qkv, width, L->k_cache, L->v_cache, block_ids, nb, lengths, m->attn, rows,
+                                    hq, hkv, d, m->block_size, m->scale, L->window);
+        linear(&L->o, m->attn, m->delta, rows);
+        add_rows(m->residual, m->delta, rows, hidden);
+        dolmus_rms_norm_f32(m->residual, L->post_norm, m->normed, rows, hidden, m->eps);
+        linear(&L->gate_up, m->normed, m->gate_up, rows);
+        dolmus_silu_and_mul_f32(m->gate_up, m->act, rows, m->inner);
+        linear(&L->down, m->act, m->delta, rows);
+        add_rows(m->residual, m->delta, rows, hidden);
+    }
+    dolmus_rms_norm_f32(m->residual, m->final_norm, out, rows, hidden, m->eps);
+}

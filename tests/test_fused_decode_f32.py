@@ -1,0 +1,58 @@
+"""The fused decode step of float32 models (runtime/native/decode_step_f32.c, AVX2): the same
+tokens and log-probabilities as the modules, bit for bit, on GGUF blocks (any AVX2 CPU) and on
+bf16 weights kept under float32 (where bf16 is emulated; test_cpu_profile.py runs this file
+capped at AVX2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model_dir
+
+from dolmus import LLM, SamplingParams
+from dolmus.runtime import native
+from dolmus.runtime.native import bf16_weights
+from helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(
+    native.avx2_library() is None, reason="the float32 fused step needs x86-64 with AVX2, FMA and F16C"
+)
+
+# prompts of different lengths: prefill steps (the modules), then decode-only steps
+PROMPTS = random_prompts((3, 40, 9, 17, 70, 5), seed=12)
+
+
+def _outputs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[dict]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_gguf_blocks_fused_in_float32_give_the_modules_bits(tmp_path, model_root, kind: str) -> None:
+    from dolmus.cli import main
+
+    out = tmp_path / f"{kind}.gguf"
+    src = build_model_dir("qwen2-wide", model_root)  # q/k/v bias added after the blocks' product
+    assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", kind]) == 0
+    fused = LLM(model=str(out), dtype="float32")
+    modules = LLM(model=str(out), dtype="float32", fused_decode=False)
+    assert fused.engine.runner.fused_decoder is not None and fused.engine.runner.fused_decoder.max_rows == 4
+    assert _outputs(fused) == _outputs(modules)  # six sequences: past 4 rows, the modules
+    assert fused.engine.runner.fused_steps == 0
+    assert _outputs(fused, PROMPTS[:4]) == _outputs(modules, PROMPTS[:4])  # four: fused
+    assert fused.engine.runner.fused_steps >= 15
+
+
+@pytest.mark.skipif(
+    not bf16_weights.ready(), reason="bf16 weights stay bf16 under float32 only where bf16 is emulated"
+)
+@pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide", "qwen3"])
+def test_bf16_weights_fused_in_float32_give_the_modules_bits(tmp_path, arch: str) -> None:
+    """A bf16 checkpoint run in float32: GQA and MQA, q/k/v bias with a tied head; Qwen3's q/k
+    norms (PyTorch's in the modules, on strided views) keep it on the modules."""
+    folder = build_model_dir(arch, tmp_path, dtype=torch.bfloat16)
+    fused, modules = LLM(model=str(folder)), LLM(model=str(folder), fused_decode=False)
+    assert fused.engine.runner.dtype == torch.float32
+    assert (fused.engine.runner.fused_decoder is None) == (arch == "qwen3")
+    assert _outputs(fused) == _outputs(modules)
+    assert fused.engine.runner.fused_steps >= (0 if arch == "qwen3" else 15)
