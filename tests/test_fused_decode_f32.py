@@ -10,6 +10,7 @@ import torch
 from conftest import build_model_dir
 
 from dolmus import LLM, SamplingParams
+from dolmus.quant.gguf_blocks import STRIP_MAX_ROWS
 from dolmus.runtime import native
 from dolmus.runtime.native import bf16_weights
 from helpers import random_prompts
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     native.avx2_library() is None, reason="the float32 fused step needs x86-64 with AVX2, FMA and F16C"
 )
 
-# prompts of different lengths: prefill steps (the modules), then decode-only steps
+# prompts of different lengths: steps with prefill chunks (the modules), then decode-only ones
 PROMPTS = random_prompts((3, 40, 9, 17, 70, 5), seed=12)
 
 
@@ -27,20 +28,22 @@ def _outputs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_gguf_blocks_fused_in_float32_give_the_modules_bits(tmp_path, model_root, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "activations"), [("q4_1", "float"), ("q8_0", "float"), ("q8_0", "int8")])
+def test_gguf_blocks_fused_in_float32_give_the_modules_bits(
+    tmp_path, model_root, kind: str, activations: str
+) -> None:
+    """4- and 8-bit blocks, and 8-bit ones on int8 activations (the int8-x kernel up to 8 rows)."""
     from dolmus.cli import main
 
     out = tmp_path / f"{kind}.gguf"
     src = build_model_dir("qwen2-wide", model_root)  # q/k/v bias added after the blocks' product
     assert main(["convert", str(src), "--to", "gguf", "--out", str(out), "--type", kind]) == 0
-    fused = LLM(model=str(out), dtype="float32")
-    modules = LLM(model=str(out), dtype="float32", fused_decode=False)
-    assert fused.engine.runner.fused_decoder is not None and fused.engine.runner.fused_decoder.max_rows == 4
-    assert _outputs(fused) == _outputs(modules)  # six sequences: past 4 rows, the modules
-    assert fused.engine.runner.fused_steps == 0
-    assert _outputs(fused, PROMPTS[:4]) == _outputs(modules, PROMPTS[:4])  # four: fused
-    assert fused.engine.runner.fused_steps >= 15
+    kw = dict(model=str(out), dtype="float32", gguf_activations=activations)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    assert fused.engine.runner.fused_decoder.max_rows == STRIP_MAX_ROWS  # past it, the modules
+    for prompts in (PROMPTS, PROMPTS[:3], PROMPTS[:1]):  # the strips, then the tile kernels
+        assert _outputs(fused, prompts) == _outputs(modules, prompts)
+    assert fused.engine.runner.fused_steps >= 45
 
 
 @pytest.mark.skipif(

@@ -167,13 +167,14 @@ class BlockQuantMethod(LinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def native_linear(self, layer: Linear) -> NativeLinear | None:
-        """`matmul`'s product at up to TILE_MAX_ROWS rows (the fused float32 decode step)."""
+        """`matmul`'s choices up to STRIP_MAX_ROWS rows, for the fused float32 decode step: the
+        8-bit int8-x kernel up to I8_MAX_ROWS, else the tile kernel up to TILE_MAX_ROWS, the
+        strips past them."""
         state: BlockState = layer.method_state  # type: ignore[assignment]
         w = state.weight
-        if w.bits == 4:
-            kind = NativeKind.Q4_F32
-        else:
-            kind = NativeKind.Q8_I8 if state.int8_x and TILE_MAX_ROWS <= I8_MAX_ROWS else NativeKind.Q8_F32
+        kind, tile_rows = NativeKind.Q4_F32 if w.bits == 4 else NativeKind.Q8_F32, TILE_MAX_ROWS
+        if state.int8_x and w.bits == 8:
+            kind, tile_rows = NativeKind.Q8_I8, I8_MAX_ROWS
         n, k = w.shape
         return NativeLinear(
             kind,
@@ -184,7 +185,8 @@ class BlockQuantMethod(LinearMethod):
             zero=w.minimum,
             bias=layer.bias,
             group=BLOCK // w.group if w.bits == 8 else 0,
-            max_rows=TILE_MAX_ROWS,
+            max_rows=STRIP_MAX_ROWS,
+            tile_rows=tile_rows,
         )
 
 

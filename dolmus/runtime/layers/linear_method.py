@@ -79,6 +79,7 @@ class NativeLinear:
     group: int = 0
     gated: bool = False  # AMX_BF16: the product ends in SiLU(gate) * up
     max_rows: int | None = None  # above this many rows the method takes another path
+    tile_rows: int = 0  # Q4_F32, Q8_F32, Q8_I8: rows up to which that kernel runs, past them the strips
 
 
 class LinearMethod(ABC):

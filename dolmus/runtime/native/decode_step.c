@@ -27,6 +27,7 @@ typedef struct {
     const void *bias;   /* AMX: float32, added in the kernel; others: bf16, added after; or NULL */
     int64_t n, k, group;
     int64_t gated; /* AMX only: the product ends in SiLU(gate) * up, [M][n / 2] */
+    int64_t tile_rows; /* unused here (decode_step_f32.c's blocks) */
 } dolmus_linear;
 
 typedef struct {

@@ -27,6 +27,7 @@ class LinearDesc(ctypes.Structure):
         ("k", _i64),
         ("group", _i64),
         ("gated", _i64),
+        ("tile_rows", _i64),
     ]
 
 
@@ -75,6 +76,7 @@ def linear_desc(linear: NativeLinear) -> LinearDesc:
         linear.k,
         linear.group,
         int(linear.gated),
+        linear.tile_rows,
     )
 
 

@@ -23,6 +23,7 @@ typedef struct {
     const float *bias;  /* bf16 weights: added in the kernel; blocks: added after; or NULL */
     int64_t n, k, group; /* group, 8-bit blocks: scales per block of 32 */
     int64_t gated;       /* unused here */
+    int64_t tile_rows;   /* blocks: rows up to which the kind's own kernel runs; past them, strips */
 } linear_f32;
 
 typedef struct {
@@ -47,13 +48,18 @@ static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {
         dolmus_bf16w_gemm_f32(x, l->packed, l->bias, y, m, l->n, l->k);
         return; /* its bias is added inside, as the module path's */
     case LINEAR_Q4_F32:
-        dolmus_q4_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);
+        if (m <= l->tile_rows)
+            dolmus_q4_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);
+        else
+            dolmus_q4_gemm_strips_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);
         break;
-    case LINEAR_Q8_F32:
-        dolmus_q8_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
-        break;
-    default:
-        dolmus_q8_gemm_i8(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+    default: /* 8-bit blocks */
+        if (m > l->tile_rows)
+            dolmus_q8_gemm_strips_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+        else if (l->kind == LINEAR_Q8_I8)
+            dolmus_q8_gemm_i8(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
+        else
+            dolmus_q8_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k, l->group);
     }
     if (l->bias)
         for (int64_t r = 0; r < m; r++)
