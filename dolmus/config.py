@@ -442,6 +442,13 @@ class EngineConfig:
         self._check_parallel()
         self.tier_specs = tuple(self.tier_specs)
         check_tiers(self.tier_specs)
+        if self.itl_target_ms is not None and any(t.reserved_tokens for t in self.tier_specs):
+            # the holds are shares of the whole token budget; the ITL target's prompt share is
+            # smaller, and the first tier to ask would take it all past the others' holds
+            raise ValueError(
+                "itl_target_ms does not combine with tiers' reserved_tokens yet: reserve seats or "
+                "KV blocks, or drop the ITL target"
+            )
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if isinstance(self.kv_events_config, dict):

@@ -214,3 +214,16 @@ def test_without_itl_target_prompts_take_the_whole_budget():
     sched.add(make_request("long", 120, start=100))
     sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
     assert sizes == {"short": 1, "long": 99}
+
+
+def test_itl_target_with_reserved_tokens_is_refused():
+    """Tier token holds are shares of the whole budget: under an ITL target's smaller prompt
+    share the first tier to ask would take it all, so the combination is refused."""
+    import pytest
+
+    from dolmus.config import EngineConfig, TierSpec
+
+    tiers = (TierSpec(priority=0, reserved_tokens=0.5), TierSpec(priority=1))
+    with pytest.raises(ValueError, match="reserved_tokens"):
+        EngineConfig(itl_target_ms=150, tier_specs=tiers)
+    EngineConfig(itl_target_ms=150, tier_specs=(TierSpec(priority=0, reserved_seats=0.5),))

@@ -79,8 +79,10 @@ def build_fused_decoder(
             layer.mlp.down_proj,
         ]
         found = [_native(p) for p in parts]
-        if any(f is None or f.kind not in kinds for f in found):
+        if any(f is None for f in found):
             return None, "a linear layer runs on oneDNN's or PyTorch's product, not one of our kernels"
+        if any(f.kind not in kinds for f in found):  # type: ignore[union-attr]
+            return None, f"a linear layer's kernel is not one the {dtype} step calls"
         linears.append(found)  # type: ignore[arg-type]
     limits = [lin.max_rows for row in linears for lin in row if lin.max_rows is not None]
     rows = min([max_rows, *limits])

@@ -50,7 +50,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     x = x.reshape(-1, k).contiguous()
     m = x.shape[0]
     if x.dtype != torch.float32:  # not a float32 model's activations: PyTorch's product
-        return F.linear(x, unpack(packed, n).to(x.dtype), bias).view(*lead, n)
+        b = bias.to(x.dtype) if bias is not None else None
+        return F.linear(x, unpack(packed, n).to(x.dtype), b).view(*lead, n)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         bias_ptr = bias.data_ptr() if bias is not None else None

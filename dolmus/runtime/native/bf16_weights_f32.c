@@ -20,6 +20,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "kernels_f32.h"
+
 #define ROWS 4            /* activation rows per block: 8 sums in registers */
 #define CHUNK 512         /* inputs per chunk: 16 KB of a panel's weights */
 #define GROUP 4           /* panels one row goes through at once */

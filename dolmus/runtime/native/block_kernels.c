@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <immintrin.h>
 
+#include "kernels_f32.h"
+
 #define MR 4 /* activation rows sharing one decode of a block */
 
 static inline float hsum(__m256 v) {

@@ -11,6 +11,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "kernels_f32.h"
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
