@@ -16,6 +16,8 @@ measurement moves the estimate up. Until any step was measured there is no limit
 
 from __future__ import annotations
 
+import bisect
+
 _EMA = 0.2  # weight of the latest step in its range's averages
 # Prompt tokens a step carries even when its decodes alone take the target or more: prompts
 # still move, a block or two per step, however busy the streams are.
@@ -27,6 +29,7 @@ class StepTimes:
 
     def __init__(self) -> None:
         self._ranges: dict[int, tuple[float, float]] = {}  # bit length -> (mean tokens, mean s)
+        self._keys: list[int] = []  # the ranges measured, in order
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -34,6 +37,7 @@ class StepTimes:
         key = tokens.bit_length()
         prev = self._ranges.get(key)
         if prev is None:
+            bisect.insort(self._keys, key)
             self._ranges[key] = (float(tokens), seconds)
         else:
             n, s = prev
@@ -41,13 +45,14 @@ class StepTimes:
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds for a step of `tokens` tokens; None before any step was measured."""
-        if not self._ranges:
-            return None
-        points = [self._ranges[k] for k in sorted(self._ranges)]
-        n0, s0 = points[0]
+        return self._estimate(tokens) if self._keys else None
+
+    def _estimate(self, tokens: int) -> float:
+        n0, s0 = self._ranges[self._keys[0]]
         if tokens <= n0:
             return s0
-        for n1, s1 in points[1:]:
+        for key in self._keys[1:]:
+            n1, s1 = self._ranges[key]
             if tokens <= n1:
                 return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
             n0, s0 = n1, s1
@@ -58,13 +63,12 @@ class StepTimes:
         streams may carry to be estimated within `target` seconds; at least MIN_PROMPT_TOKENS,
         and the whole budget before any step was measured."""
         room = max(0, budget - decodes)
-        if self.estimate(decodes) is None:
+        if not self._keys:
             return room
-        lo, hi = 0, room  # the answer lies in [lo, hi]: estimate(decodes + lo) fits or lo == 0
+        lo, hi = 0, room  # the answer lies in [lo, hi]: decodes + lo fits, or lo == 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            estimate = self.estimate(decodes + mid)
-            if estimate is not None and estimate <= target:
+            if self._estimate(decodes + mid) <= target:
                 lo = mid
             else:
                 hi = mid - 1
