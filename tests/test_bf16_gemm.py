@@ -57,7 +57,8 @@ def test_tile_matmul_keeps_leading_dims_and_takes_strided_rows() -> None:
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize(
-    ("m", "k", "n"), [(33, 1029, 160), (48, 1029, 160), (100, 1029, 160), (150, 8192, 160), (300, 4864, 2048)]
+    ("m", "k", "n"),
+    [(33, 1029, 160), (48, 1029, 160), (100, 1029, 160), (150, 8192, 160), (300, 4864, 2048), (600, 96, 96)],
 )
 def test_many_rows_in_chunks_of_k_have_the_bits_of_whole_k_passes(
     m: int, k: int, n: int, gated: bool
@@ -66,7 +67,9 @@ def test_many_rows_in_chunks_of_k_have_the_bits_of_whole_k_passes(
     them; deep products (K = 8192 and 4864: stretches of rows in 1 MB would be short) go K
     outermost over each thread's panels, in stretches whose sums fill 1 MB (n = 2048: 256 rows,
     so two stretches). Each row of the result has the bits the whole-K passes of 32 rows or
-    fewer give it. K = 1029 is 33 steps (four chunks of 8 and one of 1), the last one partly past K."""
+    fewer give it. K = 1029 is 33 steps (four chunks of 8 and one of 1), the last one partly past K.
+    Without AMX, 600 rows are two stretches (each at least 512 rows) and blocks of 8 rows that
+    each ask for a share of the next chunk's weights."""
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()

@@ -8,7 +8,8 @@
  * 16 outputs. A block of up to ROWS activation rows shares every weight load (2 ROWS sums in
  * registers); a decode step (one row) is then a single pass over the weights, prefetched like
  * the AMX path (prefetch.h), on the huge pages the packed copy lives on. Panels are split
- * between threads; rows go in stretches that stay in L2 while every panel passes over them.
+ * between threads; rows go in stretches that stay in L2 while every panel passes over them, and
+ * never under MIN_STRETCH rows.
  *
  * The sums are float32 in a fixed order (pairs of inputs, steps in order) whatever the number
  * of rows, so a row's result does not depend on its batch; bias and the gated epilogue
@@ -27,6 +28,11 @@
 
 #define ROWS 8                  /* activation rows per block: 16 sums in registers */
 #define STRETCH_BYTES (1 << 19) /* activations per stretch of rows: half of a 1 MB L2 */
+/* Each stretch reads all of the weights again: a down projection's long rows (4864 inputs) made
+ * stretches of 48 rows, and re-reading its 8.7 MB weights cost more than activations read from
+ * L3 instead of L2 (stretches of at least 512 rows: 845 -> 961 GF/s at 128 rows, 873 -> 980 at
+ * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
+#define MIN_STRETCH 512
 #ifndef CHUNK_STEPS
 #define CHUNK_STEPS 8 /* steps of 32 inputs per chunk: a panel's chunk is 16 KB, held in L1 */
 #endif
@@ -39,10 +45,12 @@ static inline __m512bh pair_of(const uint16_t *p) {
 
 /* Steps [k0, k1) of rows [0, R) of x (rows ldx apart, whole steps of 32 inputs) times panel pp,
  * added to the sums in acc (R rows of 32 floats: outputs 0-15, then 16-31). R is a constant at
- * each call site, so the loops over rows unroll and the sums stay in registers. */
+ * each call site, so the loops over rows unroll and the sums stay in registers. Lines [pf_lo,
+ * pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and the block that asks for
+ * line 0 also brings the next steps into L1. */
 static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, int64_t k0, int64_t k1,
                                                               const uint16_t *x, int64_t ldx, const int R,
-                                                              float *acc, int prefetch) {
+                                                              float *acc, int pf_lo, int pf_hi) {
     __m512 s[ROWS][2];
     for (int r = 0; r < R; r++) {
         s[r][0] = _mm512_loadu_ps(acc + 32 * r);
@@ -50,13 +58,18 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
     }
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
-        /* prefetch_stream(w, 32) written out: through the helper, GCC 12 emitted no prefetch
-         * at all in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
-        if (prefetch)
+        /* prefetch_stream written out: through the helper, GCC 12 emitted no prefetch at all in
+         * this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
+        if (pf_hi - pf_lo == 32) /* a single block: as before (at 1-4 rows 5-8% faster than split) */
             for (int i = 0; i < 32; i++) {
                 _mm_prefetch((const char *)w + PREFETCH_FAR + 64 * i, _MM_HINT_T1);
                 _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
             }
+        else {
+            for (int i = pf_lo; i < pf_hi; i++) _mm_prefetch((const char *)w + PREFETCH_FAR + 64 * i, _MM_HINT_T1);
+            if (pf_lo == 0)
+                for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
+        }
         for (int j = 0; j < 16; j++) {
             __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32 * j));
             __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + TILE + 32 * j));
@@ -74,30 +87,37 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
 }
 
 static void dp_steps_any(const uint16_t *pp, int64_t k0, int64_t k1, const uint16_t *x, int64_t ldx, int64_t R,
-                            float *acc, int prefetch) {
+                            float *acc, int pf_lo, int pf_hi) {
     switch (R) {
-    case 1: dp_steps(pp, k0, k1, x, ldx, 1, acc, prefetch); break;
-    case 2: dp_steps(pp, k0, k1, x, ldx, 2, acc, prefetch); break;
-    case 3: dp_steps(pp, k0, k1, x, ldx, 3, acc, prefetch); break;
-    case 4: dp_steps(pp, k0, k1, x, ldx, 4, acc, prefetch); break;
-    case 5: dp_steps(pp, k0, k1, x, ldx, 5, acc, prefetch); break;
-    case 6: dp_steps(pp, k0, k1, x, ldx, 6, acc, prefetch); break;
-    case 7: dp_steps(pp, k0, k1, x, ldx, 7, acc, prefetch); break;
-    default: dp_steps(pp, k0, k1, x, ldx, ROWS, acc, prefetch); break;
+    case 1: dp_steps(pp, k0, k1, x, ldx, 1, acc, pf_lo, pf_hi); break;
+    case 2: dp_steps(pp, k0, k1, x, ldx, 2, acc, pf_lo, pf_hi); break;
+    case 3: dp_steps(pp, k0, k1, x, ldx, 3, acc, pf_lo, pf_hi); break;
+    case 4: dp_steps(pp, k0, k1, x, ldx, 4, acc, pf_lo, pf_hi); break;
+    case 5: dp_steps(pp, k0, k1, x, ldx, 5, acc, pf_lo, pf_hi); break;
+    case 6: dp_steps(pp, k0, k1, x, ldx, 6, acc, pf_lo, pf_hi); break;
+    case 7: dp_steps(pp, k0, k1, x, ldx, 7, acc, pf_lo, pf_hi); break;
+    default: dp_steps(pp, k0, k1, x, ldx, ROWS, acc, pf_lo, pf_hi); break;
     }
 }
 
 /* Rows [0, M) (any M) of one panel -> y. The panel goes through in chunks of CHUNK_STEPS steps
  * (16 KB, held in L1), every block of ROWS rows through a chunk before the next: the weights
- * come from memory once, the sums wait in `acc` (M rounded up to ROWS, times 32 floats). */
+ * come from memory once, the sums wait in `acc` (M rounded up to ROWS, times 32 floats).
+ * Every block asks for its share of the next chunk's lines: when the first block asked for all
+ * of them, the requests came in a burst over a quarter of the time at 32 rows (the misses a core
+ * keeps in flight are few) and the rest of the time fetched nothing; spread out, 16-64 rows
+ * went from 61-75% to 72-90% of the product's speed on weights in cache (gemm at 16 rows
+ * 455 -> 570 GF/s, at 32 rows 606 -> 731 GF/s, Qwen2.5-0.5B's q/k/v, weights from memory). */
 static void panel_product_avx512(const uint16_t *pp, int64_t steps, const uint16_t *x, int64_t ldx, int64_t M,
                                  const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N, int gated,
                                  float *acc) {
     memset(acc, 0, sizeof(float) * 32 * (size_t)M);
+    int64_t blocks = (M + ROWS - 1) / ROWS;
     for (int64_t k0 = 0; k0 < steps; k0 += CHUNK_STEPS) {
         int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-            dp_steps_any(pp, k0, k1, x + m0 * ldx, ldx, M - m0 < ROWS ? M - m0 : ROWS, acc + 32 * m0, m0 == 0);
+        for (int64_t m0 = 0, b = 0; m0 < M; m0 += ROWS, b++)
+            dp_steps_any(pp, k0, k1, x + m0 * ldx, ldx, M - m0 < ROWS ? M - m0 : ROWS, acc + 32 * m0,
+                         (int)(32 * b / blocks), (int)(32 * (b + 1) / blocks));
     }
     for (int64_t r = 0; r < M; r++) {
         const float *a = acc + 32 * r;
@@ -129,7 +149,7 @@ void dolmus_bf16_gemm_avx512(const uint16_t *x, const uint16_t *packed, const fl
         x = copy;
     }
     int64_t stretch = STRETCH_BYTES / (kp * (int64_t)sizeof(uint16_t)) / ROWS * ROWS;
-    if (stretch < ROWS) stretch = ROWS;
+    if (stretch < MIN_STRETCH) stretch = MIN_STRETCH;
     for (int64_t m0 = 0; m0 < M; m0 += stretch) {
         int64_t rows = M - m0 < stretch ? M - m0 : stretch;
         const uint16_t *xs = x + m0 * kp;
