@@ -19,6 +19,10 @@ it out of CI):
                                                                 # build that breaks transformers
     python benchmarks/vllm_cpu_vs_dolmus.py --vllm-python V/bin/python
 
+`--long-prompts` runs the prompt-heavy table instead: 2,048 prompt tokens and 32 output tokens,
+one user (4 requests) and four users (8 requests); its TTFT at one user is the prompt
+processing time of a 2,048-token prompt.
+
 It is started as `VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 V/bin/python -m
 vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16 --max-model-len 4096` (the
 `vllm serve` entry point looks for a distribution named "vllm" and fails); it compiles for
@@ -54,6 +58,8 @@ LOADS = [
     ),
 ]
 
+LONG_PROMPT_LOADS = [Load("1 user, 2048-token prompts", 1, 4), Load("4 users, 2048-token prompts", 4, 8)]
+
 
 def _vllm(python: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}
@@ -70,7 +76,13 @@ def main() -> None:
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
     parser.add_argument("--skip-vllm", action="store_true", help="only dolmus (for quick iterations)")
+    parser.add_argument(
+        "--long-prompts", action="store_true", help="2048 prompt / 32 output tokens at 1 and 4 users instead"
+    )
     args = parser.parse_args()
+    loads = LONG_PROMPT_LOADS if args.long_prompts else LOADS
+    if args.long_prompts:
+        args.input_len, args.output_len = "2048", "32"
     model = llama_body_dir()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -93,7 +105,7 @@ def main() -> None:
             proc, base_url = _vllm(args.vllm_python, model, args.out / "vllm.log")
             stop = proc.terminate
         try:
-            for i, load in enumerate(LOADS):
+            for i, load in enumerate(loads):
                 out = args.out / name / f"load{i}"
                 runs.setdefault(name, []).append(
                     bench(base_url, str(model), str(model), load, args.input_len, args.output_len, out)
@@ -105,7 +117,7 @@ def main() -> None:
 
     print(f"\n{model.name} (bf16), {args.input_len} in / {args.output_len} out, {THREADS} threads, greedy")
     if args.skip_vllm:
-        for load, (run, pressure) in zip(LOADS, runs["dolmus"]):
+        for load, (run, pressure) in zip(loads, runs["dolmus"]):
             s = run["summary"]
             print(
                 f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
@@ -114,8 +126,10 @@ def main() -> None:
                 f"CPU pressure {100 * pressure:.1f}%"
             )
     else:
-        print_table("vLLM-CPU", LOADS, runs)
+        print_table("vLLM-CPU", loads, runs)
 
+    if args.long_prompts:  # the roofline is for short contexts' decode
+        return
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     torch.set_num_threads(THREADS)
     bandwidth = read_bandwidth()

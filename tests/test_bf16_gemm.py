@@ -157,3 +157,24 @@ def test_a_model_all_on_tiles_takes_steps_of_2048_tokens_unless_told(model_dir) 
     )
     told = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=300)
     assert told.engine.scheduler.max_num_batched_tokens == 300
+
+
+@pytest.mark.parametrize("threads", [3, 8])
+def test_the_product_has_the_same_bits_on_any_number_of_threads(threads: int) -> None:
+    """Panels are split into one run per thread, and a thread done with its own takes the others'
+    last panels (panel_split.h): with more threads than cores, runs are taken over all the time,
+    and with more threads than panels some own none. Every panel is computed once, whoever
+    computes it, so the bits equal one thread's."""
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    try:
+        for m, n, k in [(1, 32, 64), (9, 96, 896), (33, 1152, 896), (40, 4096, 256)]:
+            w = torch.randn(n, k, generator=gen).bfloat16()
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            packed = bf16_gemm.pack(w)
+            torch.set_num_threads(1)
+            one = bf16_gemm.matmul(x, packed, n, None)
+            torch.set_num_threads(threads)
+            assert torch.equal(bf16_gemm.matmul(x, packed, n, None), one), (m, n, k)
+    finally:
+        torch.set_num_threads(before)

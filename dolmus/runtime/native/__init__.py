@@ -117,7 +117,7 @@ _AVX512 = _Spec(
         + [_i64] * 4
         + [_f32],
     },
-    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h"),
+    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h", "panel_split.h"),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",

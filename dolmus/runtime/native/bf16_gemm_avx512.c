@@ -24,6 +24,7 @@
 #include "amx_panel.h"
 #include "bf16_simd.h"
 #include "kernels.h"
+#include "panel_split.h"
 #include "prefetch.h"
 
 #define ROWS 8                  /* activation rows per block: 16 sums in registers */
@@ -154,23 +155,19 @@ void dolmus_bf16_gemm_avx512(const uint16_t *x, const uint16_t *packed, const fl
         int64_t rows = M - m0 < stretch ? M - m0 : stretch;
         const uint16_t *xs = x + m0 * kp;
         uint16_t *ys = y + m0 * ldy;
-        /* few rows: each thread a contiguous run of panels, the stream the prefetchers follow;
-         * more: panels two at a time, so a thread that loses its core leaves its share */
+        /* each thread a contiguous run of panels, the stream the prefetchers follow, and the
+         * runs' last panels to whichever thread is done first (panel_split.h) */
+        panel_split split;
 #pragma omp parallel
         {
+            int t = omp_get_thread_num(), T = omp_get_num_threads();
             float *acc = aligned_alloc(64, sizeof(float) * 32 * (size_t)round_up(rows, ROWS));
             if (!acc) abort();
-            if (rows <= ROWS) {
-#pragma omp for schedule(static)
-                for (int64_t p = 0; p < panels; p++)
-                    panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, rows, bias, ys, ldy, p * PANEL,
-                                         N, (int)gated, acc);
-            } else {
-#pragma omp for schedule(dynamic, 2)
-                for (int64_t p = 0; p < panels; p++)
-                    panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, rows, bias, ys, ldy, p * PANEL,
-                                         N, (int)gated, acc);
-            }
+            split_init(&split, t, T, panels);
+#pragma omp barrier
+            for (int64_t p; (p = split_take(&split, t, T)) >= 0;)
+                panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, rows, bias, ys, ldy, p * PANEL, N,
+                                     (int)gated, acc);
             free(acc);
         }
     }
