@@ -131,15 +131,17 @@ def test_residual_add_and_norm_in_one_pass_equal_the_two_kernels(rows: int) -> N
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 64), (14, 2, 64), (4, 1, 128)]
 )
-def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim) -> None:
-    """Sequences of different lengths (1 to several blocks) over scattered blocks."""
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 70], [1, 2, 16, 17, 33, 40, 64, 70, 5, 80]])
+def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim, lengths) -> None:
+    """Sequences of different lengths (1 to several blocks) over scattered blocks. Four sequences
+    go one KV head per work item; ten (past four per thread) all of a sequence's heads in one."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
-    bs, lengths = 16, torch.tensor([1, 16, 17, 70])
+    bs, lengths = 16, torch.tensor(lengths)
     n, num_blocks = len(lengths), 5
-    cache = PagedKV(64 * bs, kv_heads, head_dim, bs, torch.bfloat16, torch.device("cpu"))
+    cache = PagedKV(128 * bs, kv_heads, head_dim, bs, torch.bfloat16, torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
     # a slice of a wider block table, strided as the runner's are
-    block_ids = torch.randperm(64, generator=gen)[: n * 2 * num_blocks].view(n, 2 * num_blocks)[
+    block_ids = torch.randperm(128, generator=gen)[: n * 2 * num_blocks].view(n, 2 * num_blocks)[
         :, :num_blocks
     ]
     # queries as a strided view, the way attention layers pass them (q beside k in one tensor)

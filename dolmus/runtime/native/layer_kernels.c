@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include "bf16_simd.h"
 
@@ -148,17 +149,24 @@ static inline __attribute__((always_inline)) void attend(
  *   out:      [n][hq][d]
  *   window:   > 0: only the last `window` of those positions (sliding-window attention; the
  *             blocks before them are never read, and may belong to other sequences by now)
- * Query head j reads KV head j / (hq / hkv). Work items are (sequence, KV head) pairs, so
- * the query heads sharing a KV head read its keys while they are in cache.
+ * Query head j reads KV head j / (hq / hkv). Work items are a sequence's KV heads (all of them
+ * when there are sequences enough to share between the threads, else one each), so the query
+ * heads sharing a KV head read its keys while they are in cache, and a cache line holding two
+ * KV heads' rows (64-element heads: 128 bytes each, next to each other in a slot) is read from
+ * memory once: one head per item read each line twice, from two cores at two times (24 layers
+ * of 32 sequences of 190 positions, Qwen2.5-0.5B's 2 KV heads, caches out of cache: 5.3 -> 5.0
+ * ms; 64 sequences of 256: 14.9 -> 13.6 ms).
  * d % 16 == 0, d <= 256. */
 void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale, int64_t window) {
     int64_t group = hq / hkv;
-#pragma omp parallel for schedule(dynamic, 1) if (n * hkv > 1)
-    for (int64_t item = 0; item < n * hkv; item++) {
-        int64_t s = item / hkv, h = item % hkv, end = lengths[s];
+    int64_t per_item = n >= 4 * omp_get_max_threads() ? hkv : 1; /* KV heads per work item */
+    int64_t parts = hkv / per_item; /* work items per sequence */
+#pragma omp parallel for schedule(dynamic, 1) if (n * parts > 1)
+    for (int64_t item = 0; item < n * parts; item++) {
+        int64_t s = item / parts, h0 = item % parts * per_item, end = lengths[s];
         int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
         /* per position: its row's offset in the caches, then each query head's score */
         int64_t stack[STACK_POSITIONS * 9];
@@ -166,19 +174,21 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         int64_t *rows = len <= STACK_POSITIONS && group <= 16 ? stack : malloc(sizeof(int64_t) * words);
         if (!rows) continue;
         const int64_t *table = block_ids + s * nb;
-        for (int64_t p = 0, b = first / bs, i = first % bs; p < len; p++) {
-            rows[p] = ((table[b] * bs + i) * hkv + h) * d;
-            if (++i == bs) i = 0, b++;
+        for (int64_t h = h0; h < h0 + per_item; h++) {
+            for (int64_t p = 0, b = first / bs, i = first % bs; p < len; p++) {
+                rows[p] = ((table[b] * bs + i) * hkv + h) * d;
+                if (++i == bs) i = 0, b++;
+            }
+            float *scores = (float *)(rows + len);
+            const uint16_t *qs = q + s * q_stride + h * group * d;
+            uint16_t *o = out + (s * hq + h * group) * d;
+            if (d == 64) /* the common head sizes, with constant loop bounds */
+                attend(qs, k_cache, v_cache, rows, len, group, 64, scale, scores, o);
+            else if (d == 128)
+                attend(qs, k_cache, v_cache, rows, len, group, 128, scale, scores, o);
+            else
+                attend(qs, k_cache, v_cache, rows, len, group, d, scale, scores, o);
         }
-        float *scores = (float *)(rows + len);
-        const uint16_t *qs = q + s * q_stride + h * group * d;
-        uint16_t *o = out + (s * hq + h * group) * d;
-        if (d == 64) /* the common head sizes, with constant loop bounds */
-            attend(qs, k_cache, v_cache, rows, len, group, 64, scale, scores, o);
-        else if (d == 128)
-            attend(qs, k_cache, v_cache, rows, len, group, 128, scale, scores, o);
-        else
-            attend(qs, k_cache, v_cache, rows, len, group, d, scale, scores, o);
         if (rows != stack) free(rows);
     }
 }
