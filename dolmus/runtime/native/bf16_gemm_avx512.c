@@ -49,8 +49,8 @@ static inline __m512bh pair_of(const uint16_t *p) {
 /* Steps [k0, k1) of rows [0, R) of x (rows ldx apart, whole steps of 32 inputs) times panel pp,
  * added to the sums in acc (R rows of 32 floats: outputs 0-15, then 16-31). R is a constant at
  * each call site, so the loops over rows unroll and the sums stay in registers. Lines [pf_lo,
- * pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and the block that asks for
- * line 0 also brings the next steps into L1. */
+ * pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and the block whose share
+ * starts at line 0 also brings the next steps into L1. */
 static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, int64_t k0, int64_t k1,
                                                               const uint16_t *x, int64_t ldx, const int R,
                                                               float *acc, int pf_lo, int pf_hi) {
@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
         else {
             for (int i = pf_lo; i < pf_hi; i++)
                 _mm_prefetch((const char *)(w + CHUNK_STEPS * 2 * TILE) + 64 * i, _MM_HINT_T1);
-            if (pf_lo == 0)
+            if (pf_lo == 0 && pf_hi > 0) /* one block only, also past 32 blocks (shares of none) */
                 for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
         }
         for (int j = 0; j < 16; j++) {

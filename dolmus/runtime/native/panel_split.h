@@ -18,8 +18,8 @@
 
 #define SPLIT_MAX_THREADS 64
 
-/* each run on its own cache line: a line two cores both write to moves between them on every
- * take (one-row products, a panel every ~2 us, decoded ~10% slower with the runs side by side) */
+/* each run on its own cache line, so that a thread taking from its own run never moves a line
+ * between cores (a one-row product takes a panel every ~2 us) */
 typedef struct {
     _Alignas(64) _Atomic uint64_t word;
 } split_run;
