@@ -115,6 +115,20 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *pb = packed + b * (K / 2) * 64;
+        /* The next block's scales and zeros, a line pair in each group's row (rows npad values
+         * apart, one line stream per group: more than the hardware prefetchers follow). At one
+         * row, skipping their reads altogether made the product ~28% faster; asking ahead
+         * recovers 2-8% of that (a block-major layout could recover the rest; quant_amx.c reads
+         * this one too). */
+        if (b + 1 < blocks)
+            for (int64_t g = 0; g < groups; g++) {
+                const char *sa = (const char *)(scale + g * npad + (b + 1) * 64);
+                _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
+                if (zero) {
+                    const char *za = (const char *)(zero + g * npad + (b + 1) * 64);
+                    _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
+                }
+            }
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             int64_t rows = M - m0 < MR ? M - m0 : MR;
             __m512 total[MR][4];
