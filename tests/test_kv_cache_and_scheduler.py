@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from dolmus.config import EngineConfig, TierSpec
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.scheduler import Scheduler
@@ -219,10 +222,6 @@ def test_without_itl_target_prompts_take_the_whole_budget():
 def test_itl_target_with_reserved_tokens_is_refused():
     """Tier token holds are shares of the whole budget: under an ITL target's smaller prompt
     share the first tier to ask would take it all, so the combination is refused."""
-    import pytest
-
-    from dolmus.config import EngineConfig, TierSpec
-
     tiers = (TierSpec(priority=0, reserved_tokens=0.5), TierSpec(priority=1))
     with pytest.raises(ValueError, match="reserved_tokens"):
         EngineConfig(itl_target_ms=150, tier_specs=tiers)

@@ -188,7 +188,7 @@ static void attend_rows_dp(const uint16_t *q, int64_t q_stride, int64_t rows, in
      * pairs j = 0 .. d / 2 - 1, 32 values apart; each broadcast query pair feeds both tiles, 10
      * loads per 16 products where 16 rows by one tile took 17 (both products of the attention
      * now run at the vdpbf16ps loop's speed; one 2,048-token prompt 12.9 -> 11.0 ms a layer) */
-    int64_t halves = rows > 8 ? 2 : 1; /* rows past `rows` are never read */
+    int64_t halves = rows > 8 ? 2 : 1; /* score rows past `rows` end up unused: not computed */
     for (int64_t k0 = 0; k0 < padded; k0 += 32) {
         const uint16_t *ka = kp + (k0 / 16) * pairs * 32, *kb = ka + pairs * 32;
         for (int64_t r0 = 0; r0 < 8 * halves; r0 += 8) {
