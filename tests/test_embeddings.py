@@ -241,8 +241,9 @@ def test_engine_chunked_equals_unchunked_with_preemption(llama_dir) -> None:
     finally:
         llm.engine.shutdown()
     chunked, _ = run(max_num_batched_tokens=16)
-    # one seat: each urgent request preempts a less urgent one mid-prompt
-    tight, preemptions = run(max_num_batched_tokens=64, max_num_seqs=1)
+    # one seat: each urgent request preempts a less urgent one mid-prompt (60: the prompts
+    # leave tails past the budget's slack, which a step with budget to spare admits beside)
+    tight, preemptions = run(max_num_batched_tokens=60, max_num_seqs=1)
     assert preemptions > 0
     assert len(whole) == 8
     for rid, vec in whole.items():

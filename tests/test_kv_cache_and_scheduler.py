@@ -219,6 +219,31 @@ def test_without_itl_target_prompts_take_the_whole_budget():
     assert sizes == {"short": 1, "long": 99}
 
 
+def chunk_sizes(tokens: list[int], tiers: tuple[TierSpec, ...] = ()) -> list[list[int]]:
+    """Each step's chunk sizes for prompts of these lengths under a 64-token budget."""
+    kv = KVCacheManager(num_blocks=200, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=400, tiers=tiers)
+    for i, n in enumerate(tokens):
+        sched.add(make_request(f"r{i}", n, start=10 + 100 * i))
+    steps = []
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        steps.append([s.num_new_tokens for s in run_step(sched).scheduled if s.num_new_tokens > 1])
+    return steps
+
+
+def test_a_prompts_short_tail_joins_its_last_chunk():
+    """Budget 64, slack 64 / 16 = 4: a tail of up to 4 tokens rides with the chunk before it,
+    at admission and for a running prompt; a longer one, or any under tiers' token holds,
+    takes a step of its own."""
+    assert chunk_sizes([68]) == [[68]]
+    assert chunk_sizes([69]) == [[64], [5]]
+    assert chunk_sizes([132]) == [[64], [68]]
+    assert chunk_sizes([30, 38]) == [[30, 38]]  # the second prompt's tail of 4 joins it
+    assert chunk_sizes([30, 39]) == [[30, 34], [5]]
+    held = (TierSpec(priority=0, reserved_tokens=0.25), TierSpec(priority=1))
+    assert chunk_sizes([68], held) == [[64], [4]]
+
+
 def test_itl_target_with_reserved_tokens_is_refused():
     """Tier token holds are shares of the whole budget: under an ITL target's smaller prompt
     share the first tier to ask would take it all, so the combination is refused."""

@@ -43,7 +43,7 @@ class TierBook:
             KV: [math.floor(t.reserved_kv * num_blocks) for t in self.specs],
         }
         self.reserved_tokens = [math.floor(t.reserved_tokens * token_budget) for t in self.specs]
-        self._holds_tokens = any(self.reserved_tokens)
+        self.holds_tokens = any(self.reserved_tokens)  # whether any tier reserves step tokens
         self._blocks_of = blocks_of
         self._held = [0] * len(self.specs)  # this step's token holds, and what each used of them
         self._used = [0] * len(self.specs)
@@ -61,7 +61,7 @@ class TierBook:
 
     def begin_step(self, running: Iterable[Request], waiting_demand: dict[int, int]) -> None:
         """Hold each tier's reserved tokens, as far as its running and waiting work wants them."""
-        if not self._holds_tokens:
+        if not self.holds_tokens:
             return
         demand = [0] * len(self.specs)
         for r in running:
@@ -73,7 +73,7 @@ class TierBook:
 
     def allowance(self, request: Request, budget_left: int) -> int:
         """Tokens `request` may take now: what is left less other tiers' unused holds."""
-        if not self._holds_tokens:
+        if not self.holds_tokens:
             return budget_left
         mine = self.tier_index(request.priority)
         held_by_others = sum(
@@ -83,7 +83,7 @@ class TierBook:
 
     def spend(self, request: Request, tokens: int) -> None:
         """Count tokens scheduled (negative: unscheduled by a preemption) against its tier."""
-        if self._holds_tokens:
+        if self.holds_tokens:
             self._used[self.tier_index(request.priority)] += tokens
 
     # -- seats and blocks -----------------------------------------------------------------
