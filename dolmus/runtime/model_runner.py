@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dolmus.config import EngineConfig, ModelConfig
@@ -22,24 +21,24 @@ from dolmus.distributed.parallel_config import SINGLE_RANK, ParallelConfig
 from dolmus.kv_connector.worker_side import make_worker_connector
 from dolmus.quant.methods import make_linear_method
 from dolmus.runtime import native
-from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout, get_backend
+from dolmus.runtime.attention import AttentionBackend, get_backend
 from dolmus.runtime.attention.kv_store import make_kv_store
+from dolmus.runtime.batch_inputs import BatchInputs, RunnerSequence, sampling_row
 from dolmus.runtime.block_table import BlockTable
 from dolmus.runtime.cpu_profile import usable_cores
 from dolmus.runtime.cuda_graphs import CudaGraphDecoder, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
+from dolmus.runtime.draft_sampling import DraftSampling
 from dolmus.runtime.expert_load import ExpertLoad
-from dolmus.runtime.inflight import InflightTokens, LaunchedStep, resolve_inflight
+from dolmus.runtime.inflight import InflightTokens, LaunchedStep
 from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suited_step_tokens
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
-from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.pooler import Pooler
-from dolmus.runtime.sampler import Sampler, SamplingRow
+from dolmus.runtime.sampler import Sampler
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
-from dolmus.spec.rejection import rejection_sample
 from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
@@ -73,31 +72,6 @@ class RunnerSpec:
             parallel=ParallelConfig(rank, world_size, self.config.enable_expert_parallel),
             local_ranks=local_ranks,
         )
-
-
-@dataclass
-class _Sequence:
-    """The runner's copy of one scheduled request."""
-
-    token_ids: list[int]  # prompt, then every token sampled for it
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int | None
-    stop_token_ids: list[int]
-    num_blocks: int  # filled entries of its block-table row
-    row: int  # its row of the block table
-    num_computed_tokens: int
-    pending: int = 0  # sampled by launched steps, not yet in token_ids (async scheduling)
-    inflight: int = -1  # while pending: its row among the last launched step's sampled tokens
-    plain_row: SamplingRow | None = None  # its sampling row without grammar or drafts, made once
-
-    def token_at(self, position: int) -> int:
-        """The input token at `position`, or -1 - i for the one still on the device (row i of
-        the last step's sampled tokens: resolve_inflight reads it there)."""
-        if position < len(self.token_ids):
-            return self.token_ids[position]
-        assert self.pending and position == len(self.token_ids), "a token neither known nor in flight"
-        return -1 - self.inflight
 
 
 class ModelRunner:
@@ -216,11 +190,14 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         # async scheduling: the last step's sampled tokens, where the next step's inputs read them
         self.inflight = InflightTokens(config.max_num_seqs, device) if config.async_steps(device) else None
-        self._draft_probs: dict[str, list[torch.Tensor]] = {}  # this step's sampled drafts' q rows
+        self.draft_sampling = DraftSampling(self.sampler)  # drafts chosen, their q rows kept
         # The persistent batch: one block-table row per held request, rows reused as they free up.
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
-        self.sequences: dict[str, _Sequence] = {}
+        self.sequences: dict[str, RunnerSequence] = {}
+        self.inputs = BatchInputs(
+            self.table, self.block_size, self.max_blocks_per_seq, self.attention, device, dtype, self.inflight
+        )
         self.pooler = Pooler()  # embedding requests' running sums (runtime/pooler.py)
         pools = list(self.kv_caches)  # every pool that shares the block ids moves with a block
         pools += self.drafter.kv_caches if self.drafter is not None else []
@@ -293,7 +270,7 @@ class ModelRunner:
         if self.table.grew and isinstance(self.fused_decoder, CudaGraphDecoder):
             logger.warning("CUDA graphs: off (more requests held than max_num_seqs seats)")
             self.fused_decoder = None  # the graphs read the table the growth replaced
-        seq = _Sequence(
+        seq = RunnerSequence(
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             params=new.params,
@@ -306,7 +283,7 @@ class ModelRunner:
         self._append_blocks(seq, new.block_ids)
         self.sequences[new.request_id] = seq
 
-    def _append_blocks(self, seq: _Sequence, block_ids: list[int]) -> None:
+    def _append_blocks(self, seq: RunnerSequence, block_ids: list[int]) -> None:
         if block_ids:
             end = seq.num_blocks + len(block_ids)
             self.table.append(seq.row, seq.num_blocks, block_ids)
@@ -371,12 +348,13 @@ class ModelRunner:
         asked = [(rid, self.sequences[rid], len(d)) for rid, d in drafts.items() if DRAFTED_BY_RUNNER in d]
         if asked:  # slots the draft model or head fills in
             if self.drafter is not None:
-                found = self.drafter.propose(asked, self._prepare, self._fused_decode, self._choose_drafts)
+                inputs, choose = self.inputs, self.draft_sampling.choose
+                found = self.drafter.propose(asked, inputs.prepare, inputs.fused_decode, choose)
             elif self.medusa is not None:
-                found = self.medusa.propose(asked, self._choose_drafts)
+                found = self.medusa.propose(asked, self.draft_sampling.choose)
             else:
                 assert self.eagle is not None, "draft slots without a draft model or head"
-                found = self.eagle.propose(asked, self._prepare, self._choose_drafts)
+                found = self.eagle.propose(asked, self.inputs.prepare, self.draft_sampling.choose)
             drafts = {**drafts, **found}
         for rid, found in drafts.items():  # computed like the request's own tokens, then checked
             self.sequences[rid].token_ids.extend(found)
@@ -385,8 +363,8 @@ class ModelRunner:
         # p sees the drafts before it in the cache, and a window verifies as decodes do (the
         # decode attention kernel, the fused step) instead of as a short prefill chunk.
         scheduled = [(rid, self.sequences[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
-        decodes: list[tuple[str, _Sequence, int]] = []  # (request, its copy, context before the row)
-        chunks: list[tuple[str, _Sequence, int]] = []  # (request, its copy, tokens in the chunk)
+        decodes: list[tuple[str, RunnerSequence, int]] = []  # (request, its copy, context before the row)
+        chunks: list[tuple[str, RunnerSequence, int]] = []  # (request, its copy, tokens in the chunk)
         for rid, seq, n in scheduled:
             if n == 1 and not (drafts and rid in drafts):  # a plain decode: most rows, most steps
                 decodes.append((rid, seq, seq.num_computed_tokens))
@@ -398,12 +376,12 @@ class ModelRunner:
         decodes.sort(key=lambda x: x[2])
         fused = self.fused_decoder
         if fused is not None and not chunks and len(decodes) <= fused.max_rows:
-            hidden = self._fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
+            hidden = self.inputs.fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
             self.fused_steps += 1
         else:
             entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
             entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
-            input_ids, positions, meta = self._prepare(entries, len(decodes))
+            input_ids, positions, meta = self.inputs.prepare(entries, len(decodes))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if self.drafter is not None and chunks:  # prompts reach the draft model with the target
                 spans = [(rid, ctx, 1) for rid, _, ctx in decodes]
@@ -438,7 +416,7 @@ class ModelRunner:
             if not k and not grammar_rows:  # the common row, without the general case's lists
                 sample_index.append(rows_of[rid][-1])
                 if seq.plain_row is None:  # it reads token_ids, the list itself: valid for good
-                    seq.plain_row = self._sampling_row(seq, None)
+                    seq.plain_row = sampling_row(seq, None)
                 rows.append(seq.plain_row)
                 ids.append(rid)
                 continue
@@ -448,7 +426,7 @@ class ModelRunner:
                 sample_index.append(window[i])
                 first = grammar_rows.get(rid)
                 grammar_row = None if first is None else first + i
-                rows.append(self._sampling_row(seq, grammar_row, len(seq.token_ids) - k + i))
+                rows.append(sampling_row(seq, grammar_row, len(seq.token_ids) - k + i))
                 ids.append(rid)
         if not rows:
             return StepResult(embeddings=embeddings)
@@ -466,7 +444,7 @@ class ModelRunner:
         result = StepResult(embeddings=embeddings)
         # Windows of drafts sampled from the draft model's distribution are verified by
         # rejection sampling; every other row is sampled, and its drafts checked against that.
-        sampled_drafts = self._draft_probs
+        sampled_drafts = self.draft_sampling.probs
         if not drafts and not sampled_drafts and self.medusa is None and self.eagle is None:
             # a row per request, no window to check, no head to feed
             if ahead:
@@ -481,7 +459,7 @@ class ModelRunner:
                 if sampled.logprobs is not None:
                     result.logprobs[rid] = [sampled.logprobs]
                 self.sequences[rid].token_ids.append(sampled.token_id)
-            self._draft_probs = {}
+            self.draft_sampling.probs = {}
             return result
         plain = [i for i, rid in enumerate(ids) if rid not in sampled_drafts]
         chosen = []
@@ -495,11 +473,13 @@ class ModelRunner:
                 result.logprobs.setdefault(rid, []).append(sampled.logprobs)
         for rid, q in sampled_drafts.items():
             at = [i for i, r in enumerate(ids) if r == rid]
-            kept, logprobs = self._rejection_sample(rid, drafts[rid], q, logits[at], [rows[i] for i in at])
+            kept, logprobs = self.draft_sampling.verify(
+                self.sequences[rid], drafts[rid], q, logits[at], [rows[i] for i in at]
+            )
             result.sampled[rid] = kept
             if logprobs is not None:
                 result.logprobs[rid] = logprobs
-        self._draft_probs = {}
+        self.draft_sampling.probs = {}
         for rid, tokens in result.sampled.items():
             seq = self.sequences[rid]
             found = drafts.get(rid)
@@ -528,80 +508,8 @@ class ModelRunner:
             for rid, seq, n in scheduled:
                 kept = len(result.sampled.get(rid, ())) if rid in drafts else n
                 spans.append((rid, seq, first_position[rid], kept, rows_of[rid][:kept]))
-            self.eagle.follow(spans, features, self._prepare)
+            self.eagle.follow(spans, features, self.inputs.prepare)
         return result
-
-    def _choose_drafts(self, logits: torch.Tensor, requests: list[tuple[str, _Sequence]]) -> list[int]:
-        """The draft model's tokens, one per (request, sequence whose tokens end before it).
-
-        Greedy for greedy and seeded requests: deterministic drafts verified against the
-        target's own draws, whose noise is keyed by output position, give a seeded request the
-        same tokens however its windows fall (they depend on timings and the other requests).
-        Drawn from the draft model's distribution for the rest, which is kept for rejection
-        sampling (spec/rejection.py): more drafts are accepted than the greedy guess gets."""
-        greedy = logits.max(dim=-1).indices.tolist()
-        out = []
-        for i, (rid, seq) in enumerate(requests):
-            if seq.params.greedy or seq.seed is not None:
-                out.append(greedy[i])
-                continue
-            row = self._sampling_row(seq, None)
-            q = self.sampler.probabilities(logits[i : i + 1], [row])
-            _, noise = self.sampler.noise(seq.seed, [row.num_output_tokens], q.shape[1], ":draft")
-            out.append(int((q / noise).argmax()))
-            self._draft_probs.setdefault(rid, []).append(q[0])
-        return out
-
-    def _rejection_sample(
-        self,
-        rid: str,
-        drafts: list[int],
-        q: list[torch.Tensor],
-        logits: torch.Tensor,
-        rows: list[SamplingRow],
-    ) -> tuple[list[int], list | None]:
-        """One window of sampled drafts: the tokens it emits, and their logprobs if asked."""
-        seq = self.sequences[rid]
-        p = self.sampler.probabilities(logits, rows)
-        first = rows[0].num_output_tokens
-        positions = list(range(first, first + len(rows)))
-        uniforms, noise = self.sampler.noise(seq.seed, positions, p.shape[1], ":verify")
-        emitted, count = rejection_sample(
-            torch.tensor([drafts]),
-            torch.stack(q).unsqueeze(0),
-            p.unsqueeze(0),
-            uniforms[:-1].unsqueeze(0),
-            noise.unsqueeze(0),
-        )
-        kept = emitted[0, : int(count[0])].tolist()
-        k = seq.params.logprobs
-        if k is None:
-            return kept, None
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        return kept, [Sampler.with_logprobs(t, raw[i], k).logprobs for i, t in enumerate(kept)]
-
-    def _fused_decode(self, decoder: FusedDecoder, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
-        """The final hidden states of one token per row (a sequence and the context before
-        its token), by a fused decode step (the target's or the draft model's)."""
-        # In numpy, over the block table's shared memory: each of these small operations costs
-        # a microsecond there and several as a torch op, and a step at batch 64 does a dozen.
-        bs = self.block_size
-        n = len(rows)
-        cols = np.empty((5, n), dtype=np.int64)  # tokens, positions, table rows, slots, lengths
-        cols[0] = [seq.token_at(c) for seq, c in rows]
-        context = [ctx for _, ctx in rows]
-        positions = cols[1]
-        positions[:] = context
-        cols[2] = [seq.row for seq, _ in rows]
-        np.add(positions, 1, out=cols[4])
-        tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
-        np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
-        if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
-            return decoder.run(tokens, positions_t, slots, table_rows, lengths)
-        table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
-        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
-            tokens = resolve_inflight(tokens, self.inflight.device_buffer)
-        return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
 
     @torch.inference_mode()
     def prompt_logits(
@@ -611,68 +519,9 @@ class ModelRunner:
 
         Runs outside the persistent batch (the engine is idle), on blocks the caller holds.
         """
-        seq = _Sequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
+        seq = RunnerSequence(token_ids, len(token_ids), SamplingParams(), None, [], 0, -1, num_computed)
         table = torch.tensor([block_ids], dtype=torch.long)
-        ids, positions, meta = self._prepare([(seq, num_computed, num_new)], 0, table)
+        ids, positions, meta = self.inputs.prepare([(seq, num_computed, num_new)], 0, table)
         if self.expert_load is not None:
             self.expert_load.note_pass()
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
-
-    def _prepare(
-        self, ordered: list[tuple[_Sequence, int, int]], num_decodes: int, table: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids and positions, and the backend's metadata, for the ordered entries
-        (a sequence, the context before the entry's tokens, how many tokens)."""
-        # The index arithmetic in numpy over the (CPU) block table's memory: its small operations
-        # cost a microsecond where torch's cost several, and a step does over a dozen.
-        bs = self.block_size
-        tokens: list[int] = []
-        inflight = False
-        for seq, ctx, n in ordered:
-            if n == 1:
-                tokens.append(seq.token_at(ctx))
-                inflight = inflight or tokens[-1] < 0
-            else:  # a prompt chunk: every token known
-                tokens.extend(seq.token_ids[ctx : ctx + n])
-        query_lens = np.array([n for _, _, n in ordered], dtype=np.int64)
-        context_lens = np.array([ctx for _, ctx, _ in ordered], dtype=np.int64)
-        if len(tokens) == len(ordered):  # one token per sequence: at its context length
-            seq_of_token = np.arange(len(ordered))
-            positions = context_lens.copy()
-        else:  # each token at its sequence's context length plus its offset in the chunk
-            seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
-            starts = np.cumsum(query_lens) - query_lens
-            positions = context_lens[seq_of_token] + np.arange(len(tokens)) - starts[seq_of_token]
-        width = int((context_lens + query_lens).max()) // bs + 1
-        if table is None:
-            rows = np.array([seq.row for seq, _, _ in ordered], dtype=np.int64)
-            table = torch.from_numpy(self.table.rows[rows, : min(width, self.max_blocks_per_seq)])
-        slots = table.numpy()[seq_of_token, positions // bs] * bs + positions % bs
-        layout = BatchLayout(
-            num_decodes,
-            torch.from_numpy(query_lens),
-            torch.from_numpy(context_lens),
-            table,
-            torch.from_numpy(slots),
-            bs,
-        )
-        meta = self.attention.build_metadata(layout, self.device, self.dtype)
-        # non_blocking: from pageable memory the copy is staged at once, and the host does not
-        # wait for the device's queue (a blocking copy would: no overlap under async scheduling)
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
-        if inflight:
-            assert self.inflight is not None
-            input_ids = resolve_inflight(input_ids, self.inflight.device_buffer)
-        return input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True), meta
-
-    @staticmethod
-    def _sampling_row(seq: _Sequence, grammar_row: int | None, upto: int | None = None) -> SamplingRow:
-        """The row sampling the token after seq.token_ids[:upto] (all of them by default)."""
-        return SamplingRow(
-            params=seq.params,
-            seed=seq.seed,
-            token_ids=seq.token_ids if upto is None or upto == len(seq.token_ids) else seq.token_ids[:upto],
-            num_prompt_tokens=seq.num_prompt_tokens,
-            stop_ids=seq.stop_token_ids,
-            grammar_row=grammar_row,
-        )

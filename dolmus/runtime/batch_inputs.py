@@ -1,0 +1,153 @@
+"""The runner's copy of each scheduled request, and a step's inputs laid out from those copies.
+
+`RunnerSequence` is what the runner keeps of a request between steps (runtime/model_runner.py
+updates it from each plan's diff). `BatchInputs` turns the entries of one step (a sequence,
+the context before its tokens, how many tokens) into the flat input ids and positions and the
+attention backend's metadata, or into the columns a fused decode step reads. The index
+arithmetic runs in numpy over the block table's memory: its small operations cost a
+microsecond where torch's cost several, and a step does over a dozen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dolmus.runtime.attention import AttentionBackend, AttentionMetadata, BatchLayout
+from dolmus.runtime.block_table import BlockTable
+from dolmus.runtime.cuda_graphs import CudaGraphDecoder
+from dolmus.runtime.inflight import InflightTokens, resolve_inflight
+from dolmus.runtime.models.llama_decode import FusedDecoder
+from dolmus.runtime.sampler import SamplingRow
+from dolmus.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerSequence:
+    """The runner's copy of one scheduled request."""
+
+    token_ids: list[int]  # prompt, then every token sampled for it
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop_token_ids: list[int]
+    num_blocks: int  # filled entries of its block-table row
+    row: int  # its row of the block table
+    num_computed_tokens: int
+    pending: int = 0  # sampled by launched steps, not yet in token_ids (async scheduling)
+    inflight: int = -1  # while pending: its row among the last launched step's sampled tokens
+    plain_row: SamplingRow | None = None  # its sampling row without grammar or drafts, made once
+
+    def token_at(self, position: int) -> int:
+        """The input token at `position`, or -1 - i for the one still on the device (row i of
+        the last step's sampled tokens: resolve_inflight reads it there)."""
+        if position < len(self.token_ids):
+            return self.token_ids[position]
+        assert self.pending and position == len(self.token_ids), "a token neither known nor in flight"
+        return -1 - self.inflight
+
+
+def sampling_row(seq: RunnerSequence, grammar_row: int | None, upto: int | None = None) -> SamplingRow:
+    """The row sampling the token after seq.token_ids[:upto] (all of them by default)."""
+    return SamplingRow(
+        params=seq.params,
+        seed=seq.seed,
+        token_ids=seq.token_ids if upto is None or upto == len(seq.token_ids) else seq.token_ids[:upto],
+        num_prompt_tokens=seq.num_prompt_tokens,
+        stop_ids=seq.stop_token_ids,
+        grammar_row=grammar_row,
+    )
+
+
+class BatchInputs:
+    """Lays a step's entries out over the persistent block table."""
+
+    def __init__(
+        self,
+        table: BlockTable,
+        block_size: int,
+        max_blocks_per_seq: int,
+        attention: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+        inflight: InflightTokens | None,
+    ) -> None:
+        self.table = table
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.attention = attention
+        self.device = device
+        self.dtype = dtype
+        self.inflight = inflight
+
+    def prepare(
+        self,
+        ordered: list[tuple[RunnerSequence, int, int]],
+        num_decodes: int,
+        table: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids and positions, and the backend's metadata, for the ordered entries
+        (a sequence, the context before the entry's tokens, how many tokens); `table`: block
+        rows of the entries' own (default: their rows of the persistent table)."""
+        bs = self.block_size
+        tokens: list[int] = []
+        inflight = False
+        for seq, ctx, n in ordered:
+            if n == 1:
+                tokens.append(seq.token_at(ctx))
+                inflight = inflight or tokens[-1] < 0
+            else:  # a prompt chunk: every token known
+                tokens.extend(seq.token_ids[ctx : ctx + n])
+        query_lens = np.array([n for _, _, n in ordered], dtype=np.int64)
+        context_lens = np.array([ctx for _, ctx, _ in ordered], dtype=np.int64)
+        if len(tokens) == len(ordered):  # one token per sequence: at its context length
+            seq_of_token = np.arange(len(ordered))
+            positions = context_lens.copy()
+        else:  # each token at its sequence's context length plus its offset in the chunk
+            seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
+            starts = np.cumsum(query_lens) - query_lens
+            positions = context_lens[seq_of_token] + np.arange(len(tokens)) - starts[seq_of_token]
+        width = int((context_lens + query_lens).max()) // bs + 1
+        if table is None:
+            rows = np.array([seq.row for seq, _, _ in ordered], dtype=np.int64)
+            table = torch.from_numpy(self.table.rows[rows, : min(width, self.max_blocks_per_seq)])
+        slots = table.numpy()[seq_of_token, positions // bs] * bs + positions % bs
+        layout = BatchLayout(
+            num_decodes,
+            torch.from_numpy(query_lens),
+            torch.from_numpy(context_lens),
+            table,
+            torch.from_numpy(slots),
+            bs,
+        )
+        meta = self.attention.build_metadata(layout, self.device, self.dtype)
+        # non_blocking: from pageable memory the copy is staged at once, and the host does not
+        # wait for the device's queue (a blocking copy would: no overlap under async scheduling)
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        if inflight:
+            assert self.inflight is not None
+            input_ids = resolve_inflight(input_ids, self.inflight.device_buffer)
+        return input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True), meta
+
+    def fused_decode(self, decoder: FusedDecoder, rows: list[tuple[RunnerSequence, int]]) -> torch.Tensor:
+        """The final hidden states of one token per row (a sequence and the context before
+        its token), by a fused decode step (the target's or the draft model's)."""
+        bs = self.block_size
+        n = len(rows)
+        cols = np.empty((5, n), dtype=np.int64)  # tokens, positions, table rows, slots, lengths
+        cols[0] = [seq.token_at(c) for seq, c in rows]
+        context = [ctx for _, ctx in rows]
+        positions = cols[1]
+        positions[:] = context
+        cols[2] = [seq.row for seq, _ in rows]
+        np.add(positions, 1, out=cols[4])
+        tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
+        np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
+        if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
+            return decoder.run(tokens, positions_t, slots, table_rows, lengths)
+        table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
+        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
+            tokens = resolve_inflight(tokens, self.inflight.device_buffer)
+        return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
