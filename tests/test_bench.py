@@ -174,7 +174,7 @@ def test_arrival_schedules() -> None:
 def test_synthetic_shared_prefix() -> None:
     from dolmus.bench.dataset import PromptMaker, synthetic
     from dolmus.config import DEFAULT_MODEL_DIR
-    from dolmus.engine.engine import load_tokenizer
+    from dolmus.engine.tokenizing import load_tokenizer
 
     maker = PromptMaker(load_tokenizer(str(DEFAULT_MODEL_DIR)), seed=1)
     reqs = synthetic(

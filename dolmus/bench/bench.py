@@ -129,7 +129,7 @@ def load_requests(
 
 
 def _tokenizer(path: str | None) -> Any:
-    from dolmus.engine.engine import load_tokenizer
+    from dolmus.engine.tokenizing import load_tokenizer
 
     folder = path if path and Path(path).is_dir() else str(DEFAULT_MODEL_DIR)
     return load_tokenizer(folder)

@@ -30,7 +30,8 @@ from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
 from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
 from dolmus.engine.async_engine import AsyncEngine
-from dolmus.engine.engine import Engine, load_tokenizer
+from dolmus.engine.engine import Engine
+from dolmus.engine.tokenizing import load_tokenizer
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.access import parse_tiers, scheduling_specs
 

@@ -31,6 +31,27 @@ class RequestRefused(ValueError):
         self.status = status
 
 
+def queue_timeout(waited: float, max_wait: float) -> RequestRefused:
+    """A request that waited `waited` seconds, past its tier's max_queue_wait."""
+    return RequestRefused(
+        f"the request waited {waited:.1f} s in the queue, past its tier's max_queue_wait of "
+        f"{max_wait:g} s; retry later",
+        "queue_timeout",
+        max_wait or 1.0,
+    )
+
+
+def kv_fetch_failed(source: str) -> RequestRefused:
+    """A request whose prompt KV could not be fetched from the prefill worker at `source`."""
+    return RequestRefused(
+        f"the prompt's KV could not be fetched from the prefill worker at {source} "
+        "(gone, or it no longer holds this prompt); send the request again",
+        "kv_transfer_failed",
+        1.0,
+        status=503,
+    )
+
+
 class AdmissionControl:
     def __init__(self, book: TierBook, token_budget: int) -> None:
         self.book = book

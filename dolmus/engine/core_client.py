@@ -42,9 +42,9 @@ from dolmus.engine.core_protocol import (
     from_core_decoder,
     to_core_encoder,
 )
-from dolmus.engine.engine import load_tokenizer
 from dolmus.engine.output_delta import OutputAssembler
 from dolmus.engine.stats import EngineStats, RequestSummary
+from dolmus.engine.tokenizing import load_tokenizer
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.structured.backend import GrammarCache, make_backend

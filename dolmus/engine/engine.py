@@ -11,45 +11,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from dolmus.config import EngineConfig, ModelConfig, SpeculativeConfig
-from dolmus.engine.admission import AdmissionControl, RequestRefused
+from dolmus.engine import engine_report
+from dolmus.engine.admission import AdmissionControl, RequestRefused, kv_fetch_failed, queue_timeout
 from dolmus.engine.detokenizer import IncrementalDetokenizer
+from dolmus.engine.engine_report import EngineCounters
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.request_group import RequestGroup
-from dolmus.engine.scheduler import Scheduler, SchedulerOutput
+from dolmus.engine.scheduler import Scheduler, SchedulerOutput, step_token_ceiling
 from dolmus.engine.stats import EngineStats, RequestSummary
+from dolmus.engine.tokenizing import load_tokenizer, tokenize_prompt
 from dolmus.executor import Executor, WorkerDiedError, make_executor
 from dolmus.outputs import RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.cpu_profile import cpu_profile
-from dolmus.runtime.gguf_loader import gguf_tokenizer, is_gguf
 from dolmus.runtime.inflight import LaunchedStep
 from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.sampling_params import SamplingParams, overlappable
 from dolmus.step import StepPlan, StepResult
-from dolmus.structured.backend import GrammarCache, bitmask_words, make_backend
+from dolmus.structured.backend import GrammarCache, make_backend, step_bitmask
 
 logger = logging.getLogger(__name__)
 
 CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
-
-
-def load_tokenizer(path: str) -> Any:
-    if is_gguf(path):
-        return gguf_tokenizer(Path(path))
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # transformers raises several types for a bad folder
-        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc})") from exc
 
 
 class Engine:
@@ -119,22 +109,15 @@ class Engine:
         )
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
-        self._queue_timeouts = 0
+        self.counters = EngineCounters()
         backend = config.structured_output_backend
         self.grammars = GrammarCache(
             lambda: make_backend(backend, self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         )
-        self._structured_requests = 0
         self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[str, str] = {}  # sequence id -> user request id
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._finished_by_reason: dict[str, int] = {}
-        self._busy_prefill = 0.0
-        self._busy_decode = 0.0
-        # a Mixture-of-Experts model's routed tokens per layer and expert, as last reported, and
-        # whether the model ran since (the runner reports now and then: runtime/expert_load.py)
-        self._moe_expert_tokens: list[list[int]] = []
+        # whether an MoE model ran since its routed-token counts were last reported (the runner
+        # reports now and then: runtime/expert_load.py)
         self._moe_unreported = False
         # Async scheduling: the step launched and not yet taken in (its plan, its handle, when
         # it started), and how many requests need steps one at a time meanwhile.
@@ -181,7 +164,7 @@ class Engine:
         chunk (prompt_logprobs, which holds a whole text at once, checks its own room)."""
         bs = self.config.block_size
         window = self.kv.window
-        if window is not None and num_blocks >= -(-(window + budget) // bs) + 1:
+        if window is not None and num_blocks >= -(-(window + step_token_ceiling(budget)) // bs) + 1:
             return
         capacity = num_blocks * bs
         if capacity < self.max_model_len:
@@ -215,7 +198,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         # An embedding generates nothing: its prompt may fill the whole context.
         room = self.max_model_len - len(prompt_ids) + (params.pooling is not None)
         if room < 1:
@@ -249,7 +232,7 @@ class Engine:
         if params.structured_output is not None:
             for child in children:  # compiled once (cached); a bad spec raises ValueError here
                 child.grammar = self.grammars.new_state(params.structured_output)
-            self._structured_requests += 1
+            self.counters.structured_requests += 1
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children]
         one_at_a_time = not all(overlappable(params, child.seed) for child in children)
         self._groups[request_id] = RequestGroup(
@@ -260,19 +243,6 @@ class Engine:
             self._owner[child.request_id] = request_id
             self.scheduler.add(child)
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; unknown ids are ignored."""
         group = self._forget(request_id)
@@ -281,7 +251,7 @@ class Engine:
         for child in group.children:
             if not child.status.finished:
                 self.scheduler.finish(child.request_id, RequestStatus.FINISHED_ABORTED)
-                self._count_finished(child)
+                self.counters.count_finished(child)
 
     def abort_all(self) -> None:
         for request_id in list(self._groups):
@@ -316,7 +286,7 @@ class Engine:
         start = time.monotonic()
         self._refuse_overdue(start)
         sched = self.scheduler.schedule()
-        prefill_tokens = _prefill_tokens(sched, advanced=False)
+        prefill_tokens = engine_report.prefill_tokens(sched, advanced=False)
         self._attach_grammar_bitmask(sched)
         result = self.executor.execute(sched.plan)
         return self._complete(sched, result, start, prefill_tokens, ahead=False)
@@ -328,7 +298,7 @@ class Engine:
         start = time.monotonic()
         self._refuse_overdue(start)
         sched = self.scheduler.schedule(ahead=True)
-        prefill_tokens = _prefill_tokens(sched, advanced=True)
+        prefill_tokens = engine_report.prefill_tokens(sched, advanced=True)
         launched = self.executor.launch(sched.plan)
         outputs = self._take_launched()
         self._launched = (sched, launched, start, prefill_tokens)
@@ -363,12 +333,12 @@ class Engine:
                 continue
             index = group.children.index(request) if len(group.children) > 1 else 0
             if request.embedding is not None:  # an embedding: no tokens, no text
-                self._prompt_tokens += request.num_prompt_tokens
-                self._count_finished(request)
+                self.counters.prompt_tokens += request.num_prompt_tokens
+                self.counters.count_finished(request)
                 touched[group_id] = group
                 continue
             if request.num_output_tokens == num_new:
-                self._prompt_tokens += request.num_prompt_tokens
+                self.counters.prompt_tokens += request.num_prompt_tokens
             detok = group.detoks[index]
             new_ids = request.output_token_ids[-num_new:]
             # The EOS or stop token that ended a request is in its token ids but not its text
@@ -380,7 +350,7 @@ class Engine:
             )
             stop = detok.add_tokens(new_ids[:-1] if ended_by_token else new_ids)
             consumed = detok.num_consumed + (1 if ended_by_token and stop is None else 0)
-            self._generation_tokens += consumed
+            self.counters.generation_tokens += consumed
             if stop is not None:
                 request.drop_last_outputs(num_new - consumed)
                 request.stop_reason = stop
@@ -389,7 +359,7 @@ class Engine:
                 else:
                     self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.status.finished:
-                self._count_finished(request)
+                self.counters.count_finished(request)
             touched[group_id] = group
         outputs = [g.output() for g in touched.values()]
         for out in outputs:
@@ -403,7 +373,7 @@ class Engine:
         self._publish_kv_events()
         self._last_done = time.monotonic()
         elapsed = self._last_done - start
-        self._account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
+        self.counters.account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
         self.admission.observe_step(elapsed, sched.num_batched_tokens)
         self.scheduler.observe_step(sched, elapsed)
         return outputs
@@ -414,22 +384,12 @@ class Engine:
             group_id = self._owner.get(request.request_id)
             if group_id is None:
                 continue
-            self._count_finished(request)
+            self.counters.count_finished(request)
             self.abort_request(group_id)  # its other sequences, if n > 1
-            self._queue_timeouts += 1
+            self.counters.queue_timeouts += 1
             spec = self.scheduler.book.spec_for(request.priority)
             wait = spec.max_queue_wait if spec is not None else 0.0
-            self._refusals.append(
-                (
-                    group_id,
-                    RequestRefused(
-                        f"the request waited {now - request.timings.arrival:.1f} s in the queue, past "
-                        f"its tier's max_queue_wait of {wait:g} s; retry later",
-                        "queue_timeout",
-                        wait or 1.0,
-                    ),
-                )
-            )
+            self._refusals.append((group_id, queue_timeout(now - request.timings.arrival, wait)))
 
     def _run_transfers(self) -> None:
         """A step of transfers only, outside the step loop; loads it sees end are applied."""
@@ -440,7 +400,7 @@ class Engine:
 
     def _take_expert_load(self, result: StepResult) -> None:
         if result.moe_expert_tokens is not None:
-            self._moe_expert_tokens = result.moe_expert_tokens
+            self.counters.moe_expert_tokens = result.moe_expert_tokens
             self._moe_unreported = False
 
     def _flush_expert_load(self) -> None:
@@ -459,18 +419,7 @@ class Engine:
             if group_id is None:
                 continue
             self.abort_request(group_id)
-            self._refusals.append(
-                (
-                    group_id,
-                    RequestRefused(
-                        f"the prompt's KV could not be fetched from the prefill worker at {outcome.source} "
-                        "(gone, or it no longer holds this prompt); send the request again",
-                        "kv_transfer_failed",
-                        1.0,
-                        status=503,
-                    ),
-                )
-            )
+            self._refusals.append((group_id, kv_fetch_failed(outcome.source)))
 
     def _publish_kv_events(self) -> None:
         """One batch per step that changed the prefix cache, as vLLM sends (none when idle)."""
@@ -486,31 +435,14 @@ class Engine:
 
     def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """Allowed tokens of each constrained request that samples this step, as plain data."""
-        constrained = [s for s in sched.scheduled if s.request.grammar is not None and s.samples]
-        if not constrained:
-            return
-        num_rows = sum(1 + len(s.drafts) for s in constrained)
-        bitmask = torch.empty((num_rows, bitmask_words(self.model_config.vocab_size)), dtype=torch.int32)
-        row, ids = 0, []
-        for item in constrained:
-            grammar = item.request.grammar
-            assert grammar is not None
-            # One row per sampled position: after each draft, as if it were accepted, then undone.
-            for i in range(len(item.drafts) + 1):
-                grammar.fill_bitmask(bitmask, row)
-                ids.append(item.request.request_id)
-                row += 1
-                if i < len(item.drafts):
-                    grammar.accept(item.drafts[i])  # the scheduler checked that it is allowed
-            grammar.rollback(len(item.drafts))
-        sched.plan.grammar_bitmask = bitmask.numpy().tobytes()
-        sched.plan.grammar_request_ids = ids
-
-    def _account_busy(self, seconds: float, prefill_tokens: int, total_tokens: int) -> None:
-        if total_tokens:
-            share = prefill_tokens / total_tokens
-            self._busy_prefill += seconds * share
-            self._busy_decode += seconds * (1 - share)
+        rows = [
+            (s.request.request_id, s.request.grammar, s.drafts)
+            for s in sched.scheduled
+            if s.request.grammar is not None and s.samples
+        ]
+        if rows:
+            bitmask, ids = step_bitmask(rows, self.model_config.vocab_size)
+            sched.plan.grammar_bitmask, sched.plan.grammar_request_ids = bitmask, ids
 
     def _forget(self, request_id: str) -> RequestGroup | None:
         group = self._groups.pop(request_id, None)
@@ -519,10 +451,6 @@ class Engine:
             for child in group.children:
                 self._owner.pop(child.request_id, None)
         return group
-
-    def _count_finished(self, request: Request) -> None:
-        reason = request.status.value
-        self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
 
     # -- scoring --------------------------------------------------------------------------
 
@@ -536,7 +464,7 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("prompt_logprobs needs an idle engine")
-        _, ids = self._tokenize(token_ids)
+        _, ids = tokenize_prompt(self.tokenizer, token_ids, self.model_config.vocab_size)
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.max_model_len}")
         request = Request("score", ids, SamplingParams(max_tokens=1), [], 1)
@@ -565,86 +493,15 @@ class Engine:
 
     def request_summaries(self) -> list[RequestSummary]:
         """Every sequence still in the engine, most urgent first."""
-        now = time.monotonic()
-        out = []
-        for req in sorted(self.scheduler.requests.values(), key=lambda r: r.sort_key):
-            if req.status is RequestStatus.RUNNING:
-                state = "running"
-            else:
-                state = "preempted" if req.num_preemptions and not req.num_computed_tokens else "waiting"
-            out.append(
-                RequestSummary(
-                    request_id=req.request_id,
-                    state=state,
-                    priority=req.priority,
-                    prompt_tokens=req.num_prompt_tokens,
-                    output_tokens=req.num_output_tokens,
-                    computed_tokens=req.num_computed_tokens,
-                    cached_tokens=max(req.num_cached_tokens, 0),
-                    blocks=self.kv.num_held_blocks(req.request_id),
-                    age_s=now - req.timings.arrival,
-                    num_preemptions=req.num_preemptions,
-                )
-            )
-        return out
+        return engine_report.request_summaries(self.scheduler, self.kv)
 
     def stats(self) -> EngineStats:
-        kv = self.kv
-        spec = self.scheduler.spec_stats
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_preemptions=self.scheduler.num_preemptions,
-            kv_blocks_total=kv.pool.num_blocks,
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_free=kv.num_free_blocks,
-            kv_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_queries,
-            prefix_cache_hits=kv.prefix_hits,
-            prefix_cache_hit_rate=kv.prefix_hit_rate,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
-            num_preempted_waiting=self.scheduler.num_preempted_waiting,
-            structured_requests=self._structured_requests,
-            weight_bytes=self.executor.info.weight_bytes,
-            kv_bytes_per_token=self.executor.info.kv_bytes_per_token,
-            kv_capacity_tokens=kv.pool.num_blocks * self.config.block_size,
-            busy_prefill_seconds=self._busy_prefill,
-            busy_decode_seconds=self._busy_decode,
-            finished=dict(self._finished_by_reason),
-            admission_refused=self.admission.num_refused,
-            admission_demoted=self.admission.num_demoted,
-            queue_timeouts=self._queue_timeouts,
-            spec_num_drafts=spec.num_drafts,
-            spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=list(spec.accepted_per_position),
-            spec_fallbacks=dict(spec.fallbacks),
-            preemption_recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            moe_expert_tokens=self._moe_expert_tokens,
-            **self._connector_stats(),
+        return engine_report.engine_stats(
+            self.counters,
+            self.scheduler,
+            self.kv,
+            self.admission,
+            self.executor.info,
+            self.config.block_size,
+            self.connector,
         )
-
-    def _connector_stats(self) -> dict[str, int]:
-        if self.connector is None:
-            return {}
-        c = self.connector.stats
-        return {
-            "kv_offload_saved_blocks": c.tier_saved_blocks,
-            "kv_offload_loaded_tokens": c.tier_loaded_tokens,
-            "kv_offload_failed_loads": c.tier_failed_loads,
-            "kv_transfer_loaded_tokens": c.remote_loaded_tokens,
-            "kv_transfer_failed_loads": c.remote_failed_loads,
-            "kv_transfer_exported_blocks": c.exported_blocks,
-        }
-
-
-def _prefill_tokens(sched: SchedulerOutput, advanced: bool) -> int:
-    """The step's prompt tokens (for the busy-time split); `advanced`: the scheduler already
-    moved the requests' computed counts past this step (async scheduling)."""
-    total = 0
-    for s in sched.scheduled:
-        before = s.request.num_computed_tokens - (s.num_new_tokens if advanced else 0)
-        if before < s.request.num_prompt_tokens:
-            total += s.num_new_tokens
-    return total

@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 TAIL_SLACK_FRACTION = 16  # a prompt's tail of up to budget / 16 tokens joins its last chunk
 
 
+def step_token_ceiling(budget: int) -> int:
+    """The most tokens one step may carry under a budget: the budget plus a prompt tail's slack."""
+    return budget + budget // TAIL_SLACK_FRACTION
+
+
 @dataclass
 class SchedulerOutput:
     """One step: the plan for the runner (plain data) and the engine-side view of it."""
@@ -82,7 +87,7 @@ class Scheduler:
         self._failed_loads: list[LoadOutcome] = []  # loads whose failure ends the request
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._tail_slack = max_num_batched_tokens // TAIL_SLACK_FRACTION
+        self._tail_slack = step_token_ceiling(max_num_batched_tokens) - max_num_batched_tokens
         self._slack = 0  # this step's: _tail_slack, or 0 where tiers or the ITL target hold tokens
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue()

@@ -10,6 +10,7 @@ from typing import Any
 
 from dolmus.config import EngineConfig
 from dolmus.engine.engine import Engine
+from dolmus.engine.tokenizing import tokenize_prompt
 from dolmus.entrypoints.chat_utils import render_chat
 from dolmus.entrypoints.llm import LLM
 from dolmus.evaluate.tasks import Task, score
@@ -19,9 +20,11 @@ from dolmus.sampling_params import SamplingParams
 def run_model(config: EngineConfig, tasks: list[Task]) -> dict[str, Any]:
     engine = Engine(config)
     try:
-        tok = engine.tokenizer
+        tok, vocab = engine.tokenizer, engine.model_config.vocab_size
         prompts = [
-            render_chat(tok, t.messages) if t.messages is not None else engine._tokenize(t.prompt)[1]
+            render_chat(tok, t.messages)
+            if t.messages is not None
+            else tokenize_prompt(tok, t.prompt, vocab)[1]
             for t in tasks
         ]
         params = [SamplingParams(temperature=0.0, max_tokens=t.max_tokens) for t in tasks]

@@ -80,6 +80,24 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def step_bitmask(rows: list[tuple[str, GrammarState, list[int]]], vocab_size: int) -> tuple[bytes, list[str]]:
+    """One step's allowed tokens: for each (request id, its grammar, its drafts), one bitmask
+    row per sampled position, after each draft as if it were accepted (then undone). Returns
+    the rows' bytes and the request id of each row."""
+    num_rows = sum(1 + len(drafts) for _, _, drafts in rows)
+    bitmask = torch.empty((num_rows, bitmask_words(vocab_size)), dtype=torch.int32)
+    row, ids = 0, []
+    for request_id, grammar, drafts in rows:
+        for i in range(len(drafts) + 1):
+            grammar.fill_bitmask(bitmask, row)
+            ids.append(request_id)
+            row += 1
+            if i < len(drafts):
+                grammar.accept(drafts[i])  # the scheduler checked that it is allowed
+        grammar.rollback(len(drafts))
+    return bitmask.numpy().tobytes(), ids
+
+
 _BITS_OF_BYTE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # [byte, bit]
 
 
