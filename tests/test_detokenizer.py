@@ -6,7 +6,7 @@ import pytest
 
 from dolmus.config import DEFAULT_MODEL_DIR
 from dolmus.engine.detokenizer import IncrementalDetokenizer
-from dolmus.engine.engine import load_tokenizer
+from dolmus.engine.tokenizing import load_tokenizer
 from dolmus.sampling_params import SamplingParams
 
 

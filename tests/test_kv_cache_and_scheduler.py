@@ -244,6 +244,20 @@ def test_a_prompts_short_tail_joins_its_last_chunk():
     assert chunk_sizes([68], held) == [[64], [4]]
 
 
+def test_a_tail_the_pool_cannot_hold_waits_for_the_next_step():
+    """18 blocks of 4: a running request holds 2, so a 67-token prompt under a 64-token budget
+    (63 beside the decode) cannot take its 4-token tail (17 blocks) but is still admitted with
+    the plain chunk (16 blocks): the tail never costs an admission or a preemption."""
+    kv = KVCacheManager(num_blocks=18, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=72)
+    sched.add(make_request("a", 4))
+    run_step(sched)
+    sched.add(make_request("b", 67, start=100))
+    sizes = {s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled}
+    assert sizes == {"a": 1, "b": 63}
+    assert sched.num_preemptions == 0
+
+
 def test_itl_target_with_reserved_tokens_is_refused():
     """Tier token holds are shares of the whole budget: under an ITL target's smaller prompt
     share the first tier to ask would take it all, so the combination is refused."""

@@ -164,6 +164,7 @@ class Engine:
         chunk (prompt_logprobs, which holds a whole text at once, checks its own room)."""
         bs = self.config.block_size
         window = self.kv.window
+        # the step's ceiling even where tiers or an ITL target keep it at the budget: conservative
         if window is not None and num_blocks >= -(-(window + step_token_ceiling(budget)) // bs) + 1:
             return
         capacity = num_blocks * bs

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.draft_planner import DraftPlanner, SpecStats
-from dolmus.engine.kv_cache import KVCacheManager
+from dolmus.engine.kv_cache import KVBlock, KVCacheManager
 from dolmus.engine.kv_transfers import KVConnectorScheduler, LoadOutcome
 from dolmus.engine.request import Request, RequestStatus, ScheduledRequest
 from dolmus.engine.step_timing import StepTimes
@@ -205,7 +206,10 @@ class Scheduler:
                 continue
             lacking = request.num_tokens + request.num_in_flight - request.num_computed_tokens
             allowance = self.book.allowance(request, budget)
-            num_new = min(1, allowance) if lacking == 1 else self._chunk(lacking, min(allowance, prompt_left))
+            if lacking == 1:
+                num_new = min(1, allowance)
+            else:
+                num_new = self._chunk(request, lacking, min(allowance, prompt_left))
             if num_new <= 0:  # what is left is held for another tier, or for the streams' ITL
                 i += 1
                 continue
@@ -267,10 +271,15 @@ class Scheduler:
             plan.kv_transfer = self.connector.take_transfer()
         return SchedulerOutput(plan, out_list, preempted)
 
-    def _chunk(self, lacking: int, allowance: int) -> int:
+    def _chunk(self, request: Request, lacking: int, allowance: int, cached: Sequence[KVBlock] = ()) -> int:
         """Prompt tokens to compute now: up to the allowance, or all of them when what would be
-        left is a tail within this step's slack."""
-        if allowance > 0 and lacking - allowance <= self._slack:
+        left is a tail within this step's slack and the pool has room for it as it is (a tail
+        never costs a preemption or a missed admission)."""
+        if (
+            allowance > 0
+            and 0 < lacking - allowance <= self._slack
+            and self.kv.can_fit(request, lacking, cached)
+        ):
             return lacking
         return min(lacking, allowance)
 
@@ -357,7 +366,8 @@ class Scheduler:
                 return KV
             self.connector.start_load(request, load, len(cached))  # type: ignore[union-attr]
         else:
-            num_new = self._chunk(request.num_tokens - len(cached) * self.kv.block_size, budget)
+            uncached = request.num_tokens - len(cached) * self.kv.block_size
+            num_new = self._chunk(request, uncached, budget, cached)
             if not self.kv.allocate(request, num_new, cached):
                 return KV
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
