@@ -18,7 +18,6 @@ from dolmus.config import EngineConfig, ModelConfig, SpeculativeConfig
 from dolmus.engine import engine_report
 from dolmus.engine.admission import AdmissionControl, RequestRefused, kv_fetch_failed, queue_timeout
 from dolmus.engine.detokenizer import IncrementalDetokenizer
-from dolmus.engine.engine_report import EngineCounters
 from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
@@ -109,7 +108,7 @@ class Engine:
         )
         self.admission = AdmissionControl(self.scheduler.book, budget)
         self._refusals: list[tuple[str, RequestRefused]] = []  # since take_refusals() last ran
-        self.counters = EngineCounters()
+        self.counters = engine_report.EngineCounters()
         backend = config.structured_output_backend
         self.grammars = GrammarCache(
             lambda: make_backend(backend, self.tokenizer, mc.vocab_size, mc.eos_token_ids)

@@ -116,9 +116,8 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *pb = packed + b * (K / 2) * 64;
         /* The next block's scales and zeros, a line pair in each group's row (rows npad values
-         * apart, one line stream per group: more than the hardware prefetchers follow). At one
-         * row, skipping their reads altogether made the product ~28% faster; asking ahead
-         * recovers 2-8% of that. The rest is their bytes: a block-major layout (one stream)
+         * apart), asked for ahead: 2-8% at one row. Skipping their reads altogether made the
+         * product ~28% faster, but that is their bytes: a block-major layout (one stream)
          * measured the same as this one. */
         if (b + 1 < blocks)
             for (int64_t g = 0; g < groups; g++) {
