@@ -9,15 +9,17 @@ CPU's counterpart of the CUDA graph, runs the decode steps), random weights, and
 tokenizer with a realistic vocabulary: SmolLM2's (49,152 byte-level BPE tokens, from the GGUF
 in ../shared/models), or a 32,000-word word-level one where that file is absent.
 
-B concurrent greedy requests (~100-token prompts, 256 new tokens, EOS ignored) run through
-LLM.generate on one thread. The engine's methods are wrapped from the outside (no timing
-code in the engine) and every decode-only step at batch B is split into:
+B concurrent greedy requests (~100-token prompts, 256 new tokens or --new-tokens, EOS
+ignored) run on one thread the way the engine core's process runs them: a step
+(Engine.step_groups), then the message it sends the API server (core_proc.step_message: each
+request's delta and a stats snapshot, msgpack-encoded). The engine's methods are wrapped from
+the outside (no timing code in the engine) and every decode-only step at batch B is split into:
   model     the fused decode step / the modules' forward, and the LM head (compute_logits)
   sampler   Sampler.__call__ (its argmax over [B, vocab] is device work on a GPU)
   runner    the rest of executor.execute: the diff, inputs, row bookkeeping
   schedule  Scheduler.schedule        update  Scheduler.update (append, stop checks)
-  detok     IncrementalDetokenizer.add_tokens      outputs  RequestGroup.output
-  engine    the rest of Engine.step
+  detok     IncrementalDetokenizer.add_tokens      outputs  core_proc.step_message
+  engine    the rest of Engine.step_groups
   gc        cyclic garbage collections (inside the parts above, whose times include them)
 "host" is everything but model; "host-smp" also leaves out the sampler, whose greedy path is
 almost all its argmax kernel (printed alone on the same logits shape as "argmax"): that is
@@ -27,7 +29,8 @@ processes share the CPU (the parts are wall time, and the timers add ~0.5 us a c
 The CPU pressure over each run (share of time some task waited for a CPU, from
 /proc/pressure/cpu) is printed, and runs over 5% are flagged as disturbed.
 
-    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 3] [--modules] [--async-scheduling]
+    python benchmarks/host_overhead.py [--batches 1,16,64] [--rounds 3] [--new-tokens 256]
+                                       [--modules] [--async-scheduling]
                                        [--profile 64]   # cProfile top functions at that batch
     py-spy record -r 1000 --format raw -o out.txt -- python benchmarks/host_overhead.py --bare
 Two versions of the engine compare by running this script with PYTHONPATH at each checkout in
@@ -45,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import cProfile
 import gc
 import io
+import itertools
 import pstats
 import random
 import shutil
@@ -62,7 +66,7 @@ SMOLLM_GGUF = (
     Path(__file__).resolve().parents[2]
     / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 )
-PROMPT_TOKENS, NEW_TOKENS = 100, 256
+PROMPT_TOKENS = 100
 PARTS = ("model", "sampler", "runner", "schedule", "update", "detok", "outputs", "engine", "gc")
 
 
@@ -128,26 +132,55 @@ class CpuPressure:
             return 0
 
 
+class CoreLoop:
+    """Runs requests as the engine core's process does: a step, then its one message."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def one_pass(self) -> None:
+        from dolmus.engine import core_proc
+
+        groups = self.engine.step_groups()
+        core_proc.step_message(self.engine, groups, [], 0)
+        for group in groups:
+            if group.finished:
+                self.lengths[group.request_id] = len(group.children[0].output_token_ids)
+
+    def run(self, prompts: list[list[int]], params: Any) -> list[int]:
+        """Each request's output length, in order."""
+        self.lengths: dict[str, int] = {}
+        ids = [f"r{next(_request_ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            self.engine.add_request(rid, prompt, params)
+        while self.engine.has_unfinished_requests():
+            self.one_pass()
+        return [self.lengths[rid] for rid in ids]
+
+
+_request_ids = itertools.count()
+
+
 class StepTimer:
     """Wraps the engine's methods from the outside and splits each decode-only step."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, core: CoreLoop) -> None:
+        from dolmus.engine import core_proc
         from dolmus.engine.detokenizer import IncrementalDetokenizer
-        from dolmus.engine.request_group import RequestGroup
         from dolmus.runtime.sampler import Sampler
 
         self.acc: dict[str, float] = defaultdict(float)
         self.steps: dict[int, list[dict[str, float]]] = defaultdict(list)  # batch -> per-step parts
         self._batch: int | None = None
         self._undo: list[Callable[[], None]] = []
-        engine = llm.engine
+        engine = core.engine
         runner = engine.runner
-        self._wrap(engine, "step", "step")
+        self._wrap(core, "one_pass", "step")
         self._wrap(engine.scheduler, "schedule", "schedule", self._note_plan)
         self._wrap(engine.scheduler, "update", "update")
         self._wrap(engine.executor, "execute", "execute")
         self._wrap(engine.executor, "launch", "execute")  # async scheduling's steps
-        self._wrap(RequestGroup, "output", "outputs", on_class=True)
+        self._wrap(core_proc, "step_message", "outputs")
         self._wrap(runner.model, "forward", "model")
         self._wrap(runner.model, "compute_logits", "model")
         if runner.fused_decoder is not None:
@@ -213,10 +246,11 @@ class StepTimer:
 
         if key == "step":
             timed = self._step_wrapper(original)
+        own = name in vars(obj)
         setattr(obj, name, timed)
-        if on_class:
+        if on_class or own:  # a class's or a module's own attribute: put it back
             self._undo.append(lambda: setattr(obj, name, original))
-        else:
+        else:  # an instance's bound method: drop the shadowing attribute
             self._undo.append(lambda: obj.__dict__.pop(name, None))
 
     def _step_wrapper(self, original: Callable[[], Any]) -> Callable[[], Any]:
@@ -279,6 +313,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--modules", action="store_true", help="decode through the modules, not the fused step")
     ap.add_argument("--profile", type=int, default=0, help="also profile one run at this batch (cProfile)")
     ap.add_argument(
@@ -307,7 +342,9 @@ def main() -> None:
     )
     runner = llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    core = CoreLoop(llm.engine)
+    new_tokens = args.new_tokens
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(requests(4, vocab, 0), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     path = "fused decode step" if runner.fused_decoder is not None else "modules"
     print(
@@ -322,17 +359,17 @@ def main() -> None:
     for batch in batches:
         if args.bare:
             for r in range(args.rounds):
-                llm.generate(requests(batch, vocab, 1000 * r + batch), params)
+                core.run(requests(batch, vocab, 1000 * r + batch), params)
             continue
         kernel = argmax_ms(batch, vocab)
         for r in range(args.rounds):
-            timer = StepTimer(llm)
+            timer = StepTimer(core)
             try:
                 with CpuPressure() as pressure:
-                    outs = llm.generate(requests(batch, vocab, 1000 * r + batch), params)
+                    lengths = core.run(requests(batch, vocab, 1000 * r + batch), params)
             finally:
                 timer.close()
-            assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+            assert lengths == [new_tokens] * batch
             steps = timer.steps[batch][2:]  # the first steps warm caches up
             mean = {k: statistics.fmean(s[k] for s in steps) * 1e3 for k in (*PARTS, "total", "cpu")}
             host = mean["total"] - mean["model"]
@@ -345,7 +382,7 @@ def main() -> None:
         prompts = requests(args.profile, vocab, 7)
         with CpuPressure() as pressure:
             prof.enable()
-            llm.generate(prompts, params)
+            core.run(prompts, params)
             prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)

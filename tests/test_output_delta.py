@@ -1,26 +1,40 @@
 """Outputs cross from the engine core to the API server as deltas and come out whole.
 
-Every output the real engine makes in a step, sent as a delta through msgpack and
-reassembled, equals the cumulative output itself (samples, text, token ids, logprobs,
-finish and stop reasons, metrics); and a step's message does not grow with output length.
+Two engines run the same requests in lockstep: one reads each step as cumulative outputs
+(`step`), the other as deltas (`step_groups` and `RequestGroup.delta`, as the engine core
+does), sent through msgpack and reassembled. Every reassembled output equals the cumulative
+one (samples, text, token ids, logprobs, finish and stop reasons; metrics where finished),
+and a step's message does not grow with output length.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import msgspec
 
 from dolmus import LLM, SamplingParams
-from dolmus.engine.output_delta import DeltaMaker, OutputAssembler, OutputDelta
+from dolmus.engine.output_delta import OutputAssembler, OutputDelta
+from dolmus.outputs import RequestOutput
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(list[OutputDelta])
 
 
+def _without_timings(out: RequestOutput) -> RequestOutput:
+    """The output less its metrics' clock readings (two engines' clocks differ)."""
+    outputs = []
+    for c in out.outputs:
+        m = c.metrics
+        if m is not None:
+            m = (len(m.itl), m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens)
+        outputs.append(dataclasses.replace(c, metrics=m))
+    return dataclasses.replace(out, outputs=outputs)
+
+
 def test_reassembled_outputs_equal_the_engines_own_at_every_step() -> None:
-    llm = LLM(num_threads=1)
-    engine = llm.engine
+    cumulative, by_delta = LLM(num_threads=1).engine, LLM(num_threads=1).engine
     requests = {
         "plain": ("Once upon a time", SamplingParams(temperature=0, max_tokens=40)),
         "n2-logprobs": ("The cat", SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=30, logprobs=2)),
@@ -28,35 +42,43 @@ def test_reassembled_outputs_equal_the_engines_own_at_every_step() -> None:
         "long": ("Tom", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)),
     }
     for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    maker, assembler = DeltaMaker(), OutputAssembler()
+        cumulative.add_request(rid, prompt, params)
+        by_delta.add_request(rid, prompt, params)
+    assembler = OutputAssembler()
     finished: set[str] = set()
     sizes: list[int] = []
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        expected = copy.deepcopy(outputs)  # the engine's logprob lists keep growing in place
-        data = _enc.encode([maker.make(out) for out in outputs])
+    while cumulative.has_unfinished_requests():
+        expected = copy.deepcopy(cumulative.step())  # the engine's logprob lists grow in place
+        data = _enc.encode([group.delta() for group in by_delta.step_groups()])
         sizes.append(len(data))
-        for want, delta in zip(expected, _dec.decode(data)):
+        deltas = _dec.decode(data)
+        assert [d.request_id for d in deltas] == [e.request_id for e in expected]
+        for want, delta in zip(expected, deltas):
             got = assembler.assemble(delta)
-            assert got == want
+            assert got is not None
+            assert _without_timings(got) == _without_timings(want)
+            assert all((c.metrics is not None) == c.finished for c in got.outputs)
             if got.finished:
                 finished.add(got.request_id)
+    assert not by_delta.has_unfinished_requests()
     assert finished == set(requests)
     # The last steps carry only "long" (one token each), however many tokens it has by then;
     # the very last carries its metrics (one inter-token gap per token) once.
     assert max(sizes[-20:-1]) < 64
 
 
-def test_a_forgotten_request_is_dropped_on_both_sides() -> None:
-    llm = LLM(num_threads=1)
-    engine = llm.engine
+def test_a_forgotten_request_is_dropped_on_the_server_side() -> None:
+    engine = LLM(num_threads=1).engine
     engine.add_request("a", "Once", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    maker, assembler = DeltaMaker(), OutputAssembler()
-    first = maker.make(engine.step()[0])
+    assembler = OutputAssembler()
+    (group,) = engine.step_groups()
+    first = group.delta()
+    assert first.first and first.prompt_token_ids
     assert assembler.assemble(first) is not None
     assembler.forget("a")  # the client left; the core's next deltas find nobody waiting
-    assert assembler.assemble(maker.make(engine.step()[0])) is None
-    maker.forget("a")
+    (group,) = engine.step_groups()
+    later = group.delta()
+    assert not later.first and later.prompt_token_ids is None and len(later.completions[0].token_ids) == 1
+    assert assembler.assemble(later) is None
     engine.abort_request("a")
-    assert not maker._sent and not assembler._requests
+    assert not engine.has_unfinished_requests() and not assembler._requests

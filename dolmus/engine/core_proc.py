@@ -37,7 +37,7 @@ from dolmus.engine.core_protocol import (
     to_core_decoder,
 )
 from dolmus.engine.engine import Engine
-from dolmus.engine.output_delta import DeltaMaker
+from dolmus.engine.request_group import RequestGroup
 from dolmus.executor.worker import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,17 @@ class _CoreLoop:
         self.errors: list[RequestError] = []
         self.added = 0
         self.applied = False  # a command changed the engine since the last message
-        self.deltas = DeltaMaker()
 
     def run(self) -> None:
         while True:
             if not self._take_commands():
                 return
             self._admit_compiled()
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            groups = self.engine.step_groups() if self.engine.has_unfinished_requests() else []
             for rid, refusal in self.engine.take_refusals():
-                self.deltas.forget(rid)
                 self.errors.append(_error(rid, refusal))
-            if outputs or self.errors or self.added or self.applied:
-                self._send(outputs)  # an abort on an idle engine still needs a fresh snapshot
+            if groups or self.errors or self.added or self.applied:
+                self._send(groups)  # an abort on an idle engine still needs a fresh snapshot
 
     def _take_commands(self) -> bool:
         """Apply queued commands; block while there is nothing else to do. False: shut down."""
@@ -183,14 +181,19 @@ class _CoreLoop:
                 self.added += msg.params.n
                 return
         self.engine.abort_request(request_id)
-        self.deltas.forget(request_id)
 
-    def _send(self, outputs: list) -> None:
-        msg = StepOutputs(
-            [self.deltas.make(out) for out in outputs], self.errors, self.added, self.engine.stats()
-        )
+    def _send(self, groups: list[RequestGroup]) -> None:
+        self.outbox.send(step_message(self.engine, groups, self.errors, self.added))
         self.errors, self.added, self.applied = [], 0, False
-        self.outbox.send(from_core_encoder.encode(msg))
+
+
+def step_message(
+    engine: Engine, groups: list[RequestGroup], errors: list[RequestError], num_applied_adds: int
+) -> bytes:
+    """What one pass of the loop sends: each moved-on request's delta, refusals, a snapshot."""
+    return from_core_encoder.encode(
+        StepOutputs([g.delta() for g in groups], errors, num_applied_adds, engine.stats())
+    )
 
 
 def _error(request_id: str, exc: ValueError) -> RequestError:

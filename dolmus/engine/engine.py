@@ -277,8 +277,14 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, run, and turn what it sampled into outputs. Under async
-        scheduling a step is launched and the outputs are the previous step's."""
+        """One step, and the cumulative output of each request it moved on."""
+        return [group.output() for group in self.step_groups()]
+
+    def step_groups(self) -> list[RequestGroup]:
+        """One step: schedule, run, and take in what it sampled. Returns the requests it moved
+        on (finished ones already released), each read by its caller one way: `output()`
+        (cumulative, as `step` does) or `delta()` (what is new, as the engine core sends).
+        Under async scheduling a step is launched and what is taken in is the previous step's."""
         if self._ahead and not self._one_at_a_time:
             return self._step_ahead()
         if self._launched is not None:  # a request that needs steps one at a time came in
@@ -291,7 +297,7 @@ class Engine:
         result = self.executor.execute(sched.plan)
         return self._complete(sched, result, start, prefill_tokens, ahead=False)
 
-    def _step_ahead(self) -> list[RequestOutput]:
+    def _step_ahead(self) -> list[RequestGroup]:
         """Schedule and launch step N+1 (its decodes' inputs are step N's tokens, still on the
         device), then take in step N while the device runs N+1: the host's appending, stop
         checks and detokenizing overlap the device's work."""
@@ -306,8 +312,8 @@ class Engine:
             outputs += self._take_launched()
         return outputs
 
-    def _take_launched(self) -> list[RequestOutput]:
-        """Wait for the launched step's tokens and turn them into outputs ([] if none)."""
+    def _take_launched(self) -> list[RequestGroup]:
+        """Wait for the launched step's tokens and take them in ([] if none)."""
         if self._launched is None:
             return []
         sched, launched, start, prefill_tokens = self._launched
@@ -319,7 +325,7 @@ class Engine:
 
     def _complete(
         self, sched: SchedulerOutput, result: StepResult, start: float, prefill_tokens: int, ahead: bool
-    ) -> list[RequestOutput]:
+    ) -> list[RequestGroup]:
         self._moe_unreported |= bool(self.model_config.num_experts) and not sched.plan.empty
         self._take_expert_load(result)
         updated = self.scheduler.update(sched, result, ahead)
@@ -361,10 +367,9 @@ class Engine:
             if request.status.finished:
                 self.counters.count_finished(request)
             touched[group_id] = group
-        outputs = [g.output() for g in touched.values()]
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
+        for group_id, group in touched.items():
+            if group.finished:
+                self._forget(group_id)
         if self.connector is not None and not self._groups and self.connector.has_pending:
             # Going idle: the last step's saves (a disk tier's newest blocks) go now, not whenever
             # the next request comes.
@@ -376,7 +381,7 @@ class Engine:
         self.counters.account_busy(elapsed, prefill_tokens, sched.num_batched_tokens)
         self.admission.observe_step(elapsed, sched.num_batched_tokens)
         self.scheduler.observe_step(sched, elapsed)
-        return outputs
+        return list(touched.values())
 
     def _refuse_overdue(self, now: float) -> None:
         """Requests that waited past their tier's max_queue_wait leave with a refusal."""

@@ -3,9 +3,10 @@
 A RequestOutput is cumulative (every token id, the whole text, every logprob so far), which
 is what a caller in the same process wants. Sent over a socket every step it would make a
 step's message grow with every generated token: at 128 streams of 1,000 tokens, ~1 MB a
-step. The engine core sends `OutputDelta`s instead (the new token ids, text and logprobs
-of each sample), and the API server rebuilds the same cumulative RequestOutputs from them,
-so nothing above the core client sees a difference.
+step, and building it is O(length) per request per step. The engine core sends `OutputDelta`s
+instead (the new token ids, text and logprobs of each sample, made by `RequestGroup.delta`
+straight from the requests), and the API server rebuilds the same cumulative RequestOutputs
+from them, so nothing above the core client sees a difference.
 """
 
 from __future__ import annotations
@@ -40,53 +41,6 @@ class OutputDelta(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's, once it is known
     embedding: list[float] | None = None  # an embedding request's vector (its one delta)
-
-
-class DeltaMaker:
-    """Core side: how much of each request's output has been sent, and the deltas beyond it."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, list[int]] = {}  # request id -> tokens sent, per sample
-
-    def make(self, out: RequestOutput) -> OutputDelta:
-        sent = self._sent.get(out.request_id)
-        first = sent is None
-        if sent is None:
-            sent = [0] * len(out.outputs)
-        completions = []
-        for i, c in enumerate(out.outputs):
-            start = sent[i]
-            completions.append(
-                CompletionDelta(
-                    c.token_ids[start:],
-                    c.text_delta,
-                    c.logprobs[start:] if c.logprobs is not None else None,
-                    c.finish_reason,
-                    c.stop_reason,
-                    c.cumulative_logprob,
-                    c.metrics,
-                )
-            )
-            sent[i] = len(c.token_ids)
-        if out.finished:
-            self._sent.pop(out.request_id, None)
-        else:
-            self._sent[out.request_id] = sent
-        return OutputDelta(
-            out.request_id,
-            completions,
-            out.finished,
-            out.num_cached_tokens,
-            first,
-            out.prompt if first else None,
-            out.prompt_token_ids if first else None,
-            out.kv_transfer_params,
-            out.embedding,
-        )
-
-    def forget(self, request_id: str) -> None:
-        """The request left early (aborted): nothing more will be sent for it."""
-        self._sent.pop(request_id, None)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """One user request as the engine holds it: its prompt, its n sequences with their
-detokenizers, and the RequestOutput they make after each step."""
+detokenizers, and what they make after each step: a cumulative RequestOutput (for callers in
+the engine's process) or an OutputDelta of only what is new (the engine core's message)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dolmus.engine.detokenizer import IncrementalDetokenizer
+from dolmus.engine.output_delta import CompletionDelta, OutputDelta
 from dolmus.engine.request import Request
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -18,10 +20,18 @@ class RequestGroup:
     children: list[Request]
     detoks: list[IncrementalDetokenizer]
     one_at_a_time: bool = False  # its sampling needs the last token on the host (no async steps)
+    # Tokens of each sequence already in a delta; None before the first. A group is read one
+    # way, by output() or by delta(): both take the detokenizers' new text.
+    _sent: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(req.status.finished for req in self.children)
 
     def output(self) -> RequestOutput:
         """Where its sequences stand: text so far (less any held-back tail), the new text since
-        the last output, and each finished one's metrics."""
+        the last output, and each finished one's metrics. Copies every token id so far (an
+        output queued for a slow reader must not grow): O(length), for callers in this process."""
         completions = []
         finished = True
         for i, (req, detok) in enumerate(zip(self.children, self.detoks)):
@@ -52,6 +62,44 @@ class RequestGroup:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             kv_transfer_params=first.kv_transfer_out,
             embedding=first.embedding,
+        )
+
+    def delta(self) -> OutputDelta:
+        """Only what is new since this group's previous delta: the new token ids, text and
+        logprobs of each sequence, its finish and, once, its metrics. O(new tokens) however
+        long the output has grown, so the step loop's cost per request stays flat."""
+        first = self._sent is None
+        sent = self._sent if self._sent is not None else [0] * len(self.children)
+        completions = []
+        for i, (req, detok) in enumerate(zip(self.children, self.detoks)):
+            done = req.status.finished
+            start = sent[i]
+            ids = req.output_token_ids
+            logprobs = req.logprobs
+            completions.append(
+                CompletionDelta(
+                    ids[start:],
+                    detok.take_delta(done),
+                    logprobs[start:] if logprobs is not None else None,
+                    req.status.value if done else None,
+                    req.stop_reason,
+                    req.cumulative_logprob if logprobs is not None else None,
+                    request_metrics(req) if done else None,
+                )
+            )
+            sent[i] = len(ids)
+        self._sent = sent
+        lead = self.children[0]
+        return OutputDelta(
+            self.request_id,
+            completions,
+            self.finished,
+            max(lead.num_cached_tokens, 0),
+            first,
+            self.prompt if first else None,
+            self.prompt_ids if first else None,
+            lead.kv_transfer_out,
+            lead.embedding,
         )
 
 

@@ -98,9 +98,10 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Generating", unit="req")
         wanted = set(ids)
         while wanted - done.keys():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
+            # Only finished requests' outputs are built: a cumulative output is O(length).
+            for group in self.engine.step_groups():
+                if group.finished and group.request_id in wanted:
+                    done[group.request_id] = group.output()
                     if bar is not None:
                         bar.update(1)
             for rid, refusal in self.engine.take_refusals():  # a tier's max_queue_wait passed
