@@ -19,12 +19,11 @@ from dolmus.config import (
     SPECULATIVE_METHODS,
     SPECULATIVE_MODEL_METHODS,
     EngineConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ServerConfig,
     SpeculativeConfig,
     TierSpec,
 )
+from dolmus.config.kv import KVEventsConfig, KVTransferConfig
+from dolmus.config.server import ServerConfig
 from dolmus.entrypoints.chat_cli import add_chat_args, run_chat
 from dolmus.evaluate.evaluate import add_eval_args, run_eval
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from dolmus.cli import build_parser, engine_config_from_args
-from dolmus.config import EngineConfig, ServerConfig
+from dolmus.config import EngineConfig
+from dolmus.config.server import ServerConfig
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

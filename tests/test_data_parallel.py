@@ -13,7 +13,7 @@ import pytest
 from server_helpers import RemoteServer
 
 from dolmus import LLM, SamplingParams
-from dolmus.config import ServerConfig
+from dolmus.config.server import ServerConfig
 from dolmus.engine.replica_placement import BALANCE_ABS, ReplicaPlacement
 
 BLOCK = 16

@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from dolmus.cli import build_parser
-from dolmus.config import ServerConfig
+from dolmus.config.server import ServerConfig
 
 kv = pytest.importorskip("kubernetes_validate")
 

@@ -16,7 +16,8 @@ import zmq
 
 from dolmus import LLM, SamplingParams
 from dolmus.cli import build_parser, engine_config_from_args
-from dolmus.config import EngineConfig, KVEventsConfig
+from dolmus.config import EngineConfig
+from dolmus.config.kv import KVEventsConfig
 from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
 from dolmus.engine.kv_events import (
     END_SEQ,
@@ -195,8 +196,16 @@ def test_a_late_subscriber_catches_up_from_zero_through_the_replay_socket(tmp_pa
         raw = msgspec.msgpack.decode(got[0][1])  # the wire itself, as a router without msgspec sees it
         assert isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], float) and raw[2] == 0
         assert set(raw[1][0]) == {
-            "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-            "medium", "lora_name", "group_idx", "kv_cache_spec_kind",
+            "type",
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "group_idx",
+            "kv_cache_spec_kind",
         }
         assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["parent_block_hash"] is None
         assert all(0 <= h < 2**64 for h in raw[1][0]["block_hashes"])
@@ -338,7 +347,9 @@ def test_shutdown_closes_the_sockets(tmp_path):
 def test_a_full_queue_drops_batches_and_leaves_a_gap_in_the_numbers(tmp_path):
     replay = f"ipc://{tmp_path}/replay"
     config = KVEventsConfig(
-        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=replay,
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=replay,
         max_queue_size=1,
     )
     publisher = ZmqEventPublisher(config, block_size=BS)

@@ -232,7 +232,7 @@ def test_a_preempted_sharer_saves_only_written_blocks() -> None:
 def test_a_decoding_request_never_asks_the_prefill_worker_again() -> None:
     """A decode worker's request preempted after its first outputs resumes from its own tier
     (or computes): the prefill worker only ever held the prompt."""
-    from dolmus.config import KVTransferConfig
+    from dolmus.config.kv import KVTransferConfig
 
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
     consumer = KVTransferConfig(kv_role="kv_consumer")
@@ -246,7 +246,7 @@ def test_a_decoding_request_never_asks_the_prefill_worker_again() -> None:
 
 
 def test_a_prompt_larger_than_the_outbox_exports_what_fits_and_leaks_nothing() -> None:
-    from dolmus.config import KVTransferConfig
+    from dolmus.config.kv import KVTransferConfig
 
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
     producer = KVTransferConfig(kv_role="kv_producer")

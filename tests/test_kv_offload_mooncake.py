@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dolmus.bench.spawn import free_port
-from dolmus.config import OffloadTier, parse_kv_offload
+from dolmus.config.kv import OffloadTier, parse_kv_offload
 from dolmus.engine.kv_cache import ROOT_HASH, hash_block
 from tests.helpers import greedy, run_tokens
 from tests.test_kv_offload import BLOCK, _llm, _prompts, check_eviction_round_trip

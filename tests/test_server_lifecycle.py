@@ -13,7 +13,8 @@ import openai
 import pytest
 from server_helpers import RemoteServer
 
-from dolmus.config import EngineConfig, ServerConfig
+from dolmus.config import EngineConfig
+from dolmus.config.server import ServerConfig
 from dolmus.server.app import build_app
 from dolmus.server.launcher import SHUTDOWN_GRACE_S
 

@@ -10,7 +10,7 @@ import pytest
 from server_helpers import RemoteServer
 
 from dolmus import cli
-from dolmus.config import ServerConfig
+from dolmus.config.server import ServerConfig
 
 MODEL = "stories260k"
 PROMPT = "Once upon a time"

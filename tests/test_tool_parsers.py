@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dolmus.config import ServerConfig, check_choices
+from dolmus.config.fields import check_choices
+from dolmus.config.server import ServerConfig
 from dolmus.server.openai.chat import ToolStream
 from dolmus.server.tools import TOOL_PARSERS, ToolPlan, extract_calls, get_tool_parser
 

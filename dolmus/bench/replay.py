@@ -28,7 +28,8 @@ from dolmus.bench.dataset import BenchRequest, PromptMaker, load_trace
 from dolmus.bench.loadgen import Load, RequestResult, run_load
 from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
-from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
+from dolmus.config import EngineConfig, TierSpec
+from dolmus.config.server import PRIORITY_TIERS
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.engine import Engine
 from dolmus.engine.tokenizing import load_tokenizer

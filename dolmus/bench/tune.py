@@ -24,7 +24,8 @@ from dolmus.bench.dataset import BenchRequest
 from dolmus.bench.replay import ReplayConfig, run_configs, trace_requests
 from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo
-from dolmus.config import PRIORITY_TIERS, EngineConfig, TierSpec
+from dolmus.config import EngineConfig, TierSpec
+from dolmus.config.server import PRIORITY_TIERS
 
 SEATS = (8, 16, 32, 64, 128, 256)
 # A trial must beat the best so far by this share of goodput to replace it: smaller gaps are

@@ -332,6 +332,7 @@ class Engine:
         self._fail_transfers()
 
         touched: dict[str, RequestGroup] = {}
+        ended: list[str] = []  # groups a sequence of which finished in this step
         for request, num_new in updated:
             group_id = self._owner.get(request.request_id)
             group = self._groups.get(group_id) if group_id is not None else None
@@ -342,6 +343,7 @@ class Engine:
                 self.counters.prompt_tokens += request.num_prompt_tokens
                 self.counters.count_finished(request)
                 touched[group_id] = group
+                ended.append(group_id)
                 continue
             if request.num_output_tokens == num_new:
                 self.counters.prompt_tokens += request.num_prompt_tokens
@@ -366,9 +368,10 @@ class Engine:
                     self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.status.finished:
                 self.counters.count_finished(request)
+                ended.append(group_id)
             touched[group_id] = group
-        for group_id, group in touched.items():
-            if group.finished:
+        for group_id in ended:
+            if touched[group_id].finished:
                 self._forget(group_id)
         if self.connector is not None and not self._groups and self.connector.has_pending:
             # Going idle: the last step's saves (a disk tier's newest blocks) go now, not whenever

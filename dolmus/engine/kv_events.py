@@ -60,7 +60,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from dolmus.config import KVEventsConfig
+from dolmus.config.kv import KVEventsConfig
 from dolmus.engine.kv_cache import AllCleared, CacheEvent, RemovedBlocks, StoredBlocks
 
 logger = logging.getLogger(__name__)

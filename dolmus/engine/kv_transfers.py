@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dolmus.config import EngineConfig, KVTransferConfig
+from dolmus.config import EngineConfig
+from dolmus.config.kv import KVTransferConfig
 from dolmus.engine.kv_cache import ROOT_HASH, KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
 from dolmus.engine.request import Request
 from dolmus.kv_connector.mooncake_store import MOONCAKE_SCHEME, MooncakeLookup

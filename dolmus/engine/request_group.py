@@ -26,7 +26,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(req.status.finished for req in self.children)
+        for req in self.children:  # a loop, not all() over a generator: this runs per request per step
+            if not req.status.finished:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
         """Where its sequences stand: text so far (less any held-back tail), the new text since
@@ -71,8 +74,10 @@ class RequestGroup:
         first = self._sent is None
         sent = self._sent if self._sent is not None else [0] * len(self.children)
         completions = []
+        finished = True
         for i, (req, detok) in enumerate(zip(self.children, self.detoks)):
             done = req.status.finished
+            finished = finished and done
             start = sent[i]
             ids = req.output_token_ids
             logprobs = req.logprobs
@@ -93,7 +98,7 @@ class RequestGroup:
         return OutputDelta(
             self.request_id,
             completions,
-            self.finished,
+            finished,
             max(lead.num_cached_tokens, 0),
             first,
             self.prompt if first else None,

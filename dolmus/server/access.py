@@ -49,7 +49,8 @@ from typing import Any
 
 import yaml
 
-from dolmus.config import PRIORITY_TIERS, TierSpec, check_tiers
+from dolmus.config import TierSpec, check_tiers
+from dolmus.config.server import PRIORITY_TIERS
 
 
 class TokenBucket:

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dolmus import __version__
-from dolmus.config import EngineConfig, ServerConfig
+from dolmus.config import EngineConfig
+from dolmus.config.server import ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
 from dolmus.engine.data_parallel import DataParallelClient

@@ -21,7 +21,8 @@ from types import FrameType
 
 import uvicorn
 
-from dolmus.config import EngineConfig, ServerConfig
+from dolmus.config import EngineConfig
+from dolmus.config.server import ServerConfig
 from dolmus.server.app import build_app
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from dolmus.config import ServerConfig
+from dolmus.config.server import ServerConfig
 from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
 from dolmus.engine.core_client import EngineCoreClient

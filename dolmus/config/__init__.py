@@ -1,22 +1,26 @@
-"""Engine and model configuration: the one place where defaults live.
+"""Configuration: the one place where defaults and choices live.
 
-`EngineConfig` holds what a user chooses (CLI flags map one-to-one onto its fields);
-`ModelConfig` (model_config.py) holds what the checkpoint's config.json says.
+`EngineConfig` (here) holds what a user chooses (CLI flags map one-to-one onto its fields);
+`ModelConfig` (model_config.py) holds what the checkpoint's config.json says. In this package
+too: the KV cache's outside connections (events, transfers, offload) in kv.py, the server's own
+flags in server.py, and how fields declare their choices and are read from dicts in fields.py.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch
+
+from dolmus.config.fields import check_choices, choice, from_known_keys
+from dolmus.config.kv import KVEventsConfig, KVTransferConfig, OffloadTier, parse_kv_offload
 
 # ModelConfig lives in model_config.py; importers of dolmus.config still find it here.
 from dolmus.model_config import DTYPE_NAMES, ModelConfig, parse_common_fields  # noqa: F401
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "default_model"
 
 # On a CPU the KV cache is ordinary RAM that every other process also wants, so the
 # default budget is a fixed size (like vLLM's VLLM_CPU_KVCACHE_SPACE) rather than a
@@ -33,11 +37,6 @@ DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
 DEFAULT_CPU_BATCHED_TOKENS = 512
 TILE_CPU_BATCHED_TOKENS = 2048
 DEFAULT_GPU_BATCHED_TOKENS = 2048
-
-
-def choice(default: Any, choices: tuple[Any, ...]) -> Any:
-    """A config field restricted to `choices`: validated here, and the CLI flag offers the same."""
-    return field(default=default, metadata={"choices": choices})
 
 
 QUANTIZATIONS = (None, "int8", "int4", "w8a8", "fp8")
@@ -102,18 +101,6 @@ SPECULATIVE_MODEL_METHODS = ("draft_model", "eagle3", "medusa")
 SPECULATIVE_RUNNER_METHODS = (*SPECULATIVE_MODEL_METHODS, "mtp")
 
 
-_Config = TypeVar("_Config")
-
-
-def from_known_keys(cls: type[_Config], raw: dict[str, Any], what: str) -> _Config:
-    """`cls(**raw)`, refusing keys it does not have with a message naming `what`."""
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = set(raw) - known
-    if unknown:
-        raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**raw)
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, with vLLM's keys (`speculative_config={"method": "ngram", ...}`)."""
@@ -169,167 +156,6 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
         return from_known_keys(cls, raw, "speculative_config")
-
-
-KV_EVENT_PUBLISHERS = ("null", "zmq")
-
-
-def _check_zmq_address(name: str, value: Any) -> None:
-    if not isinstance(value, str) or "://" not in value:
-        raise ValueError(
-            f"kv_events_config: {name} must be a ZMQ address (tcp://host:port, ipc://path), got {value!r}"
-        )
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """KV cache events for cache-aware routers, with vLLM's keys and defaults
-    (`kv_events_config={"enable_kv_cache_events": true, ...}`): the stream itself is
-    engine/kv_events.py's. The default endpoint binds every interface, as vLLM's does, and the
-    events carry prompt token ids: give an address only the router can reach."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # null | zmq; None: zmq when enabled, else null (as vLLM)
-    endpoint: str = "tcp://*:5557"  # PUB socket: binds for a wildcard host or ipc://, else connects
-    replay_endpoint: str | None = None  # ROUTER socket (always binds) serving missed batches
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket (messages per subscriber)
-    max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
-    topic: str = ""
-    # Ours, not vLLM's: whether the PUB socket binds `endpoint` (true) or connects to it (false).
-    # None keeps vLLM's rule (a wildcard host or ipc:// binds). A router that connects to its
-    # sources (vllm-router's --kv-event-source) needs a bound publisher; true binds a loopback
-    # address such as tcp://127.0.0.1:5557, where vLLM's rule would only bind every interface.
-    bind: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name, kind in (("enable_kv_cache_events", bool), ("endpoint", str), ("topic", str)):
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise ValueError(f"kv_events_config: {name} must be a {kind.__name__}, got {value!r}")
-        if self.bind is not None and not isinstance(self.bind, bool):
-            raise ValueError(f"kv_events_config: bind must be true, false or null, got {self.bind!r}")
-        for name, least in (("buffer_steps", 0), ("hwm", 1), ("max_queue_size", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"kv_events_config: {name} must be an integer >= {least}, got {value!r}")
-        if self.publisher is None:
-            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-        if self.publisher not in KV_EVENT_PUBLISHERS:
-            raise ValueError(
-                f"kv_events_config: publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, "
-                f"got {self.publisher!r}"
-            )
-        if self.publishes:
-            _check_zmq_address("endpoint", self.endpoint)
-            if self.replay_endpoint is not None:
-                _check_zmq_address("replay_endpoint", self.replay_endpoint)
-
-    @property
-    def publishes(self) -> bool:
-        """Whether events leave the engine at all (enabled, with a real publisher)."""
-        return self.enable_kv_cache_events and self.publisher != "null"
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KVEventsConfig:
-        return from_known_keys(cls, raw, "kv_events_config")
-
-
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-# our TCP transport, or Mooncake Store (vLLM's name for that connector) as the transfer medium
-KV_CONNECTORS = ("DolmusConnector", "MooncakeStoreConnector")
-KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """Disaggregated prefill/decode, with vLLM's keys (`kv_transfer_config={"kv_role": ...}`).
-
-    A producer (prefill worker) keeps the KV of prompts asked for a remote decode in a bounded
-    outbox (`kv_buffer_size` bytes): with DolmusConnector rank r serves it on `kv_port + r` and
-    `kv_ip` is the address peers are told to reach; with MooncakeStoreConnector the outbox is
-    the Mooncake store at `kv_connector_extra_config["master_server_address"]` (HOST:PORT), to
-    which the producer lends the bytes. A consumer (decode worker) fetches from what the prefill
-    response's `kv_transfer_params` name."""
-
-    kv_connector: str = "DolmusConnector"
-    kv_role: str = "kv_both"
-    kv_ip: str = "127.0.0.1"
-    kv_port: int = 14579
-    kv_buffer_size: float = 1e9  # bytes of outbox (the producer side)
-    # fail: a request whose remote KV cannot be fetched ends with an error naming the peer;
-    # recompute: it computes its prompt itself
-    kv_load_failure_policy: str = "fail"
-    kv_transfer_timeout: float = 30.0  # seconds a fetch may take before the peer counts as gone
-    engine_id: str | None = None  # named in kv_transfer_params; None: a random one
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kv_connector not in KV_CONNECTORS:
-            raise ValueError(
-                f"kv_transfer_config: kv_connector {self.kv_connector!r} is not available here; "
-                f"one of {', '.join(KV_CONNECTORS)} (behind vLLM's kv_transfer_params either way)"
-            )
-        if self.kv_connector == "MooncakeStoreConnector" and self.mooncake_master is None:
-            raise ValueError(
-                "kv_transfer_config: MooncakeStoreConnector needs kv_connector_extra_config "
-                '{"master_server_address": "HOST:PORT"}'
-            )
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(
-                "kv_transfer_config: kv_load_failure_policy must be one of "
-                + ", ".join(KV_LOAD_FAILURE_POLICIES)
-            )
-        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65535:
-            raise ValueError(f"kv_transfer_config: kv_port must be a TCP port, got {self.kv_port!r}")
-        if self.kv_buffer_size <= 0 or self.kv_transfer_timeout <= 0:
-            raise ValueError("kv_transfer_config: kv_buffer_size and kv_transfer_timeout must be positive")
-
-    @property
-    def mooncake_master(self) -> str | None:
-        """HOST:PORT of the Mooncake master the transfer goes through (None: our TCP transport)."""
-        if self.kv_connector != "MooncakeStoreConnector":
-            return None
-        master = self.kv_connector_extra_config.get("master_server_address")
-        host, _, port = str(master or "").rpartition(":")
-        return f"{host}:{int(port)}" if host and port.isdigit() else None
-
-    @property
-    def produces(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def consumes(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
-        return from_known_keys(cls, raw, "kv_transfer_config")
-
-
-class OffloadTier(NamedTuple):
-    """A parsed `kv_offload`: the kind, and where (a disk tier's folder, a shared store's master)."""
-
-    kind: str  # cpu | disk | mooncake
-    path: Path | None = None  # disk
-    master: str | None = None  # mooncake: HOST:PORT of the Mooncake master
-
-
-def parse_kv_offload(value: str | None) -> OffloadTier | None:
-    """`cpu`, `disk:PATH` or `mooncake:HOST:PORT`; None: no offload tier."""
-    if value is None:
-        return None
-    if value == "cpu":
-        return OffloadTier("cpu")
-    if value.startswith("disk:") and len(value) > len("disk:"):
-        return OffloadTier("disk", path=Path(value[len("disk:") :]).expanduser())
-    if value.startswith("mooncake:"):
-        host, _, port = value[len("mooncake:") :].rpartition(":")
-        if host and port.isdigit() and 0 < int(port) < 65536:
-            return OffloadTier("mooncake", master=f"{host}:{int(port)}")
-    raise ValueError(f"kv_offload must be cpu, disk:PATH or mooncake:HOST:PORT, got {value!r}")
 
 
 @dataclass
@@ -546,93 +372,3 @@ class EngineConfig:
         if model_dtype == torch.float32:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return model_dtype
-
-
-def check_choices(config: Any) -> None:
-    """Raise ValueError naming the field whose value is not among its declared choices."""
-    for f in fields(config):
-        choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
-        if choices is not None and value not in choices:
-            shown = ", ".join("none" if c is None else str(c) for c in choices)
-            raise ValueError(f"{f.name} must be one of {shown}; got {value!r}")
-
-
-PRIORITY_TIERS = {"interactive": 0, "batch": 1}
-
-
-@dataclass
-class ServerConfig:
-    """What `dolmus serve` adds on top of the engine (flags map one-to-one)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # defaults to a short name of --model (server/model_names.py); the path stays accepted
-    served_model_name: str | None = None
-    api_key: str | None = None  # also read from DOLMUS_API_KEY
-    tiers: str | None = None  # a YAML file of tiers and API keys with quotas (server/access.py)
-    chat_template: str | None = None  # a jinja2 file, or the template itself
-    # <think>...</think> of reasoning models to `reasoning_content` (server/openai/reasoning.py)
-    reasoning_parser: str | None = choice(None, (None, "deepseek_r1", "qwen3"))
-    # the format of tool calls in a chat reply under tool_choice "auto" (server/tools/)
-    tool_call_parser: str = choice("hermes", ("hermes", "llama3_json", "mistral", "pythonic"))
-    max_waiting: int | None = None  # 429 when more sequences than this wait; None: no limit
-    max_n: int = 128  # most samples (`n`) one request may ask for, as OpenAI's limit
-    # /v1/embeddings' and /api/embed's default pooling of final hidden states (pooling_params.py)
-    pooling: str = choice("last", ("last", "mean"))
-    max_body_bytes: int = 32 << 20  # 413 above this
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
-    gpu_hour_cost: float | None = None  # currency per machine-hour, for cost per token
-    log_level: str = "info"
-    ui: bool = True  # the chat page and dashboard at / (server/ui/)
-    # Browser origins allowed to call the API from their pages (CORS); none by default, "*" for
-    # any. Preflights are answered before the API-key check (browsers send them without keys).
-    allowed_origins: tuple[str, ...] = ()
-    # process (the default): the step loop in its own process, so HTTP and SSE work never
-    # holds the GIL the step's op dispatch waits for; thread: on a thread of the API server's
-    # process (one process, less memory). On 2 cores serving SmolLM2 Q4_1 at one user the
-    # split made 77 tok/s against 45 on a thread (benchmarks/gguf_vs_llama_server.py, TPOT
-    # 12 vs 21 ms). The thread still wins on the 260k-parameter toy at 128 streams, where
-    # three processes share two cores (benchmarks/serve_vs_offline.py: 0.65x of offline
-    # against the split's 0.57x with 2 torch threads; 0.54x against 0.60x with 1).
-    engine_core: str = choice("process", ("thread", "process"))
-    # Data parallelism: this many engine cores (each a model copy pinned to its share of the
-    # host's cores or GPUs) behind this one API port; requests placed by cached prefix, then load.
-    data_parallel_size: int = 1
-    # Files and jobs of the Batch API (server/openai/batches.py); None: a temporary folder
-    # removed at exit, so unfinished jobs do not survive a restart.
-    batch_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.data_parallel_size > 1 and self.engine_core != "process":
-            raise ValueError("data_parallel_size > 1 runs replicas as processes: engine_core must be process")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.max_n < 1:
-            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
-            raise ValueError(f"gpu_hour_cost must be >= 0, got {self.gpu_hour_cost}")
-        for origin in self.allowed_origins:
-            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
-                raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
-        check_choices(self)
-
-    def load_chat_template(self) -> str | None:
-        """The --chat-template value as template text: a file's contents, or the text itself."""
-        value = self.chat_template
-        if value is None:
-            return None
-        path = Path(value)
-        if path.is_file():
-            return path.read_text()
-        if "{{" in value or "{%" in value:
-            return value
-        raise ValueError(f"chat_template: {value!r} is neither a file nor a jinja2 template")
