@@ -36,7 +36,7 @@ def _kv_memory(text: str) -> float | int:
 
 
 def _choices(cls: type, name: str) -> list:
-    """A field's declared choices (config.py), in the CLI's spelling (`None` is left out: no flag)."""
+    """A field's declared choices (dolmus/config/), in the CLI's spelling (`None` is left out: no flag)."""
     meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
     return [c for c in meta["choices"] if c is not None]
 

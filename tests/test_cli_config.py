@@ -1,4 +1,4 @@
-"""Every config field has one CLI flag with the same choices and default (config.py is the source)."""
+"""Every config field has one CLI flag with the same choices and default (dolmus/config/ is the source)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,9 @@ import torch
 from dolmus.config.fields import check_choices, choice, from_known_keys
 from dolmus.config.kv import KVEventsConfig, KVTransferConfig, OffloadTier, parse_kv_offload
 
-# ModelConfig lives in model_config.py; importers of dolmus.config still find it here.
+# ServerConfig lives in config/server.py, ModelConfig in model_config.py; importers of
+# dolmus.config (scripts written before the split) still find them here.
+from dolmus.config.server import PRIORITY_TIERS, ServerConfig  # noqa: F401
 from dolmus.model_config import DTYPE_NAMES, ModelConfig, parse_common_fields  # noqa: F401
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "default_model"

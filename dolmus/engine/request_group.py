@@ -69,8 +69,9 @@ class RequestGroup:
 
     def delta(self) -> OutputDelta:
         """Only what is new since this group's previous delta: the new token ids, text and
-        logprobs of each sequence, its finish and, once, its metrics. O(new tokens) however
-        long the output has grown, so the step loop's cost per request stays flat."""
+        logprobs of each sequence, and a finished one's finish reason and metrics (sent again
+        in each delta while its siblings run: the server side keeps the latest). O(new tokens)
+        however long the output has grown, so the step loop's cost per request stays flat."""
         first = self._sent is None
         sent = self._sent if self._sent is not None else [0] * len(self.children)
         completions = []

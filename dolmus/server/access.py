@@ -29,7 +29,7 @@ request over its key's quota gets 429 with `Retry-After` saying when it would pa
 request larger than a whole minute's allowance gets 400, since waiting would not help.
 Without a tiers file, `--api-key` is one key with no quota, and no key means an open server.
 
-The scheduling fields go to the engine as `TierSpec`s (config.py; engine/tier_book.py and
+The scheduling fields go to the engine as `TierSpec`s (dolmus/config/; engine/tier_book.py and
 engine/admission.py say what they do). A tier's TTFT and TPOT targets are what its SLO metrics count against
 (`dolmus:tier_slo_met_total`); a request whose priority names no tier is counted in the
 most urgent tier at least as lax as it (so the label set stays the tiers file's).
