@@ -28,11 +28,13 @@ def _outputs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize(("kind", "activations"), [("q4_1", "float"), ("q8_0", "float"), ("q8_0", "int8")])
+@pytest.mark.parametrize(
+    ("kind", "activations"), [("q4_1", "float"), ("q8_0", "float"), ("q8_0", "int8"), ("q4_1", "int8")]
+)
 def test_gguf_blocks_fused_in_float32_give_the_modules_bits(
     tmp_path, model_root, kind: str, activations: str
 ) -> None:
-    """4- and 8-bit blocks, and 8-bit ones on int8 activations (the int8-x kernel up to 8 rows)."""
+    """4- and 8-bit blocks, on float and on int8 activations (the int8-x kernels up to 8 rows)."""
     from dolmus.cli import main
 
     out = tmp_path / f"{kind}.gguf"

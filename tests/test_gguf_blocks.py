@@ -80,18 +80,23 @@ def test_kernels_multiply_as_the_decoded_weight(type_name) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in ("Q4_0", "Q4_1", "Q4_K")])
+@pytest.mark.parametrize("type_name", TYPES)
 def test_int8_x_products_are_within_rounding_of_x(type_name) -> None:
-    """bf16 runs give 8-bit blocks x rounded to int8 per block of 32: each product is q * s
-    times the rounded x, plus the minima times the sums of x itself, so it differs from the
-    exact one by no more than |q * s| times half a step of x."""
+    """`gguf_activations="int8"` gives the blocks (4-bit ones at one row) x rounded to int8
+    per block of 32: each product is q * s times the rounded x, plus the minima times the sums
+    of x itself, so it differs from the exact one by no more than |q * s| times half a step of
+    x. Past the kernel's rows the float kernels run, x as it is."""
     k = 512
     codes, decoded = _quantized(type_name, 70, k, seed=3)
     scaled = (codes.values().float().reshape(70, -1, codes.group) * codes.scale[..., None]).reshape(70, k)
     w = gguf_blocks.pack_lanes(codes)
     gen = torch.Generator().manual_seed(4)
+    rounded_rows = gguf_blocks.Q4_I8_MAX_ROWS if codes.bits == 4 else gguf_blocks.I8_MAX_ROWS
     for m in (1, 2, 3, 4, 5, 7, gguf_blocks.I8_MAX_ROWS):
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 3
+        if m > rounded_rows:  # past the int8-x kernel's rows: the float kernels, x as it is
+            assert torch.equal(gguf_blocks.matmul(w, x, int8_x=True), gguf_blocks.matmul(w, x))
+            continue
         x[0, 40:72] = 0  # an all-zero block
         blocks = x.reshape(m, -1, 32)
         step = blocks.abs().amax(-1, keepdim=True) / 127
@@ -166,8 +171,8 @@ def test_a_gguf_runs_its_blocks_as_stored(tmp_path, model_root, arch, kind) -> N
 
 @needs_kernels
 def test_int8_activations_are_an_opt_in(tmp_path, model_root) -> None:
-    """`gguf_activations="int8"` gives the AVX2 kernels' 8-bit blocks int8 x (decode-sized
-    steps), close to the decoded weights; by default x stays float."""
+    """`gguf_activations="int8"` gives the AVX2 kernels' blocks int8 x (decode-sized steps),
+    close to the decoded weights; by default x stays float."""
     src = build_model_dir("qwen2", model_root)
     path = tmp_path / "qwen2-q8_0.gguf"
     _convert(src, path, "q8_0")

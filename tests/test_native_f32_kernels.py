@@ -76,6 +76,42 @@ def test_decode_attention_f32_equals_sdpa_over_gathered_blocks(heads, kv_heads, 
 
 
 @needs_avx2
+@pytest.mark.parametrize("window", [0, 300])
+def test_decode_attention_f32_splits_long_sequences_by_length_alone(window: int) -> None:
+    """Long sequences are split along their keys (spans of 64, at most 16 spans: 1,500 keys
+    make 16 spans of 96, the last of 60; 197 keys end in a span of 5), and the spans' partial results
+    are merged: the same as SDPA, and a sequence's output bit for bit the same alone as in a
+    batch (how it is cut depends on its length only)."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, bs = 6, 2, 64, 16
+    lengths = torch.tensor([1500, 1, 65, 197, 64, 1029])
+    n, num_blocks = len(lengths), 94
+    cache = PagedKV(n * num_blocks * bs, kv_heads, head_dim, bs, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    block_ids = torch.randperm(n * num_blocks, generator=gen).view(n, num_blocks)
+    q = torch.randn(n, heads, head_dim, generator=gen) * 4  # peaked scores: spans' maxima differ
+    out = torch.full((n, heads, head_dim), float("nan"))
+    args = (block_ids, lengths, out, bs, head_dim**-0.5, window)
+    native_ops.decode_attention(q, cache.data[0], cache.data[1], *args)
+    for i, length in enumerate(lengths.tolist()):
+        first = max(length - window, 0) if window else 0
+        keys = cache.blocks(0, block_ids[i])[first:length]
+        values = cache.blocks(1, block_ids[i])[first:length]
+        expected = F.scaled_dot_product_attention(
+            q[i].unsqueeze(1),
+            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        ).squeeze(1)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+        alone = torch.full((1, heads, head_dim), float("nan"))
+        one = slice(i, i + 1)
+        native_ops.decode_attention(
+            q[one], cache.data[0], cache.data[1], block_ids[one], lengths[one], alone, *args[3:]
+        )
+        assert torch.equal(alone[0], out[i]), i
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", (1, 40))
 def test_silu_and_mul_f32_equals_pytorch(rows: int) -> None:
     x = torch.randn(rows, 2 * 100, generator=torch.Generator().manual_seed(rows)) * 4

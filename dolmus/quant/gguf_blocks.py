@@ -42,6 +42,9 @@ BLOCK = 32  # inputs per block of codes
 TILE_MAX_ROWS = 4
 STRIP_MAX_ROWS = 64
 I8_MAX_ROWS = 8  # int8-x products up to this many rows (measured: above, the float strips are as fast)
+# 4-bit blocks at one row only: from two rows up the float tile's decode, shared by the rows, is
+# as fast (measured on SmolLM2's shapes, AVX2 EPYC); decode_step_f32.c's LINEAR_Q4_I8 agrees.
+Q4_I8_MAX_ROWS = 1
 DEQUANT_CHUNK_ROWS = 4096  # weight rows dequantized at a time on that path (bounded scratch)
 
 
@@ -145,8 +148,8 @@ def pack_lanes(w: BlockCodes) -> BlockCodes:
 @dataclass
 class BlockState(LinearState):
     """A layer's blocks (its checkpoint parts stacked along the output rows), codes packed
-    for the kernels (`pack_lanes`). `int8_x`: multiply 8-bit blocks with x rounded to int8
-    per block of 32 (`gguf_activations="int8"`: see `matmul`)."""
+    for the kernels (`pack_lanes`). `int8_x`: multiply with x rounded to int8 per block of 32
+    at decode-sized steps (`gguf_activations="int8"`: see `matmul`)."""
 
     weight: BlockCodes
     int8_x: bool = False
@@ -168,12 +171,14 @@ class BlockQuantMethod(LinearMethod):
 
     def native_linear(self, layer: Linear) -> NativeLinear | None:
         """`matmul`'s choices up to STRIP_MAX_ROWS rows, for the fused float32 decode step: the
-        8-bit int8-x kernel up to I8_MAX_ROWS, else the tile kernel up to TILE_MAX_ROWS, the
-        strips past them."""
+        int8-x kernels (8-bit blocks up to I8_MAX_ROWS, 4-bit ones at one row), else the tile
+        kernel up to TILE_MAX_ROWS, the strips past them."""
         state: BlockState = layer.method_state  # type: ignore[assignment]
         w = state.weight
         kind, tile_rows = NativeKind.Q4_F32 if w.bits == 4 else NativeKind.Q8_F32, TILE_MAX_ROWS
-        if state.int8_x and w.bits == 8:
+        if state.int8_x and w.bits == 4:
+            kind = NativeKind.Q4_I8  # one row on int8 x, more as Q4_F32
+        elif state.int8_x:
             kind, tile_rows = NativeKind.Q8_I8, I8_MAX_ROWS
         n, k = w.shape
         return NativeLinear(
@@ -297,15 +302,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def matmul(w: BlockCodes, x: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
     """x [M, K] float32 contiguous times the weight (codes packed by `pack_lanes`) -> [M, N] float32.
 
-    `int8_x`: 8-bit blocks at up to I8_MAX_ROWS rows take x rounded to int8 per block of 32
-    (max |x| / 127 a step, as llama.cpp's Q8_0 activations) and integer dot products."""
+    `int8_x`: at up to I8_MAX_ROWS rows (Q4_I8_MAX_ROWS for 4 bits) x is rounded to int8 per
+    block of 32 (max |x| / 127 a step, as llama.cpp's Q8_0 / Q8_1 activations) for integer dot
+    products; the minima's term takes the float sums of x."""
     m, k = x.shape
     n = w.codes.shape[0]
-    if int8_x and w.bits == 8 and m <= I8_MAX_ROWS:
+    if int8_x and m <= (Q4_I8_MAX_ROWS if w.bits == 4 else I8_MAX_ROWS):
         y = torch.empty(m, n)
-        native.avx2_library().dolmus_q8_gemm_i8(
-            _ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k, BLOCK // w.group
-        )
+        lib = native.avx2_library()
+        if w.bits == 4:
+            lib.dolmus_q4_gemm_i8(_ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k)
+        else:
+            lib.dolmus_q8_gemm_i8(
+                _ptr(x), _ptr(w.codes), _ptr(w.scale), _ptr(w.minimum), _ptr(y), m, n, k, BLOCK // w.group
+            )
         return y
     if m > STRIP_MAX_ROWS:
         y = torch.empty(m, n)

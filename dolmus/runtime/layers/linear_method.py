@@ -56,11 +56,14 @@ class NativeKind(IntEnum):
     Q4_F32 = 5  # block_kernels.c's 4-bit blocks, scale (and minimum) per block of 32
     Q8_F32 = 6  # its 8-bit blocks, `group` scales per block of 32
     Q8_I8 = 7  # the same with the activations rounded to int8 per block
+    Q4_I8 = 8  # 4-bit blocks with the activations rounded to int8 per block
 
 
 # The kinds each fused decode step takes: bf16 models (decode_step.c), float32 ones (decode_step_f32.c).
 BF16_KINDS = frozenset({NativeKind.AMX_BF16, NativeKind.INT4, NativeKind.INT8, NativeKind.INT8_GROUPS})
-F32_KINDS = frozenset({NativeKind.BF16_F32, NativeKind.Q4_F32, NativeKind.Q8_F32, NativeKind.Q8_I8})
+F32_KINDS = frozenset(
+    {NativeKind.BF16_F32, NativeKind.Q4_F32, NativeKind.Q8_F32, NativeKind.Q8_I8, NativeKind.Q4_I8}
+)
 
 
 @dataclass(frozen=True)

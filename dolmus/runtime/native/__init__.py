@@ -130,6 +130,7 @@ _AVX2 = _Spec(
         "dolmus_q4_gemm_strips_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_q8_gemm_strips_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
         "dolmus_q8_gemm_i8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+        "dolmus_q4_gemm_i8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_q4_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
         "dolmus_q8_dequant_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],

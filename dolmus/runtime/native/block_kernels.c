@@ -330,6 +330,79 @@ void dolmus_q8_gemm_i8(const float *x, const int8_t *q, const float *scale, cons
     free(xs);
 }
 
+/* 4 bits: a block's 16 bytes of codes as its 32 codes in bytes, in the int8 x's order (byte
+ * 4i + a: weight 8a + i). Byte j of the codes holds two weights in its nibbles (decode_q4's
+ * lane i is bytes 2i, 2i + 1: weights i and 8 + i, then 16 + i and 24 + i), which become bytes
+ * 2j and 2j + 1. */
+static inline __m256i q4_bytes(const uint8_t *q) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+/* sum(a[i] * b[i]) over i < n, eight lanes at a time. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float r = hsum(acc);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* One output row n of the 4-bit weight against rows [m0, m0 + R) of the int8 x: codes 0..15
+ * (unsigned) by x (signed) in maddubs, pairs summed to 8 int32 lanes, scaled by s * dx in
+ * float; the minima's term is minimum times the float sums of x per block. */
+static inline __attribute__((always_inline)) void q4_i8_tile(const int8_t *xq, const float *xd, const float *xs,
+                                                             const uint8_t *qn, const float *sn, const float *mn,
+                                                             float *y, int64_t m0, int R, int64_t N, int64_t K,
+                                                             int64_t n) {
+    int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w = q4_bytes(qn + b * 16);
+        for (int i = 0; i < R; i++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + b * 32));
+            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(sn[b] * xd[(m0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        y[(m0 + i) * N + n] = hsum(acc[i]) + (mn ? dot_f32(mn, xs + (m0 + i) * nb, nb) : 0.0f);
+}
+
+/* y[M][N] = x[M][K] times the 4-bit weight, x rounded to int8 per block of 32 first (as
+ * llama.cpp's Q8_1 activations): a block's product is ~10 integer instructions, against ~20 to
+ * decode it to floats, which is what bounds dolmus_q4_gemm_f32 at a few rows. */
+void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, const float *minimum, float *y,
+                       int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nb));
+    float *xs = minimum ? malloc(sizeof(float) * (size_t)(M * nb)) : NULL;
+    if (xq && xd && (xs || !minimum)) {
+        quantize_rows_i8(x, M, K, 32, xq, xd, xs);
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *qn = q + n * nb * 16;
+            const float *sn = scale + n * nb, *mn = minimum ? minimum + n * nb : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                switch (M - m0 < MR ? (int)(M - m0) : MR) {
+                case 1: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 1, N, K, n); break;
+                case 2: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 2, N, K, n); break;
+                case 3: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 3, N, K, n); break;
+                default: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, MR, N, K, n); break;
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+}
+
 /* Rows[i] of the weight as float32, for i in [0, count): out [count][K]. rows: int64 row
  * numbers (a chunk of the weight for prefill GEMMs, or token ids for an embedding). */
 static void dequant_rows(const void *q, const float *scale, const float *minimum, int spb, const int64_t *rows,

@@ -13,7 +13,7 @@
 #include "kernels_f32.h"
 
 /* Which kernel multiplies a linear layer (layers/linear_method.py's NativeKind). */
-enum { LINEAR_BF16_F32 = 4, LINEAR_Q4_F32 = 5, LINEAR_Q8_F32 = 6, LINEAR_Q8_I8 = 7 };
+enum { LINEAR_BF16_F32 = 4, LINEAR_Q4_F32 = 5, LINEAR_Q8_F32 = 6, LINEAR_Q8_I8 = 7, LINEAR_Q4_I8 = 8 };
 
 typedef struct {
     int64_t kind;
@@ -47,6 +47,12 @@ static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {
     case LINEAR_BF16_F32:
         dolmus_bf16w_gemm_f32(x, l->packed, l->bias, y, m, l->n, l->k);
         return; /* its bias is added inside, as the module path's */
+    case LINEAR_Q4_I8: /* int8 x at one row (gguf_blocks.Q4_I8_MAX_ROWS), else as LINEAR_Q4_F32 */
+        if (m == 1) {
+            dolmus_q4_gemm_i8(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);
+            break;
+        }
+        /* fall through */
     case LINEAR_Q4_F32:
         if (m <= l->tile_rows)
             dolmus_q4_gemm_f32(x, l->packed, l->scale, l->zero, y, m, l->n, l->k);

@@ -21,6 +21,8 @@ void dolmus_q4_gemm_strips_f32(const float *x, const uint8_t *q, const float *sc
                                int64_t M, int64_t N, int64_t K);
 void dolmus_q8_gemm_strips_f32(const float *x, const int8_t *q, const float *scale, const float *minimum, float *y,
                                int64_t M, int64_t N, int64_t K, int64_t spb);
+void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, const float *minimum, float *y,
+                       int64_t M, int64_t N, int64_t K);
 void dolmus_q8_gemm_i8(const float *x, const int8_t *q, const float *scale, const float *minimum, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t spb);
 void dolmus_bf16w_gemm_f32(const float *x, const uint16_t *packed, const float *bias, float *y, int64_t M,

@@ -78,55 +78,153 @@ void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float
     }
 }
 
+/* Decode attention is split along each sequence's keys (flash decoding): a work item is one
+ * KV head's query group over one span of keys, so one long sequence keeps every core busy
+ * (items per sequence and head: its spans; one item per KV head left a 3-KV-head model's batch-1
+ * step on one core for two thirds of the time). How a sequence is cut depends on its length
+ * only, never on its companions, so its result does not depend on its batch. */
+#define SPAN_KEYS 64 /* keys per span at least: a span's keys and values stay in L1 */
+#define MAX_SPANS 16 /* spans per sequence at most: bounds the partial results kept per call */
+
+static inline int64_t span_keys(int64_t len) {
+    int64_t spans = (len + SPAN_KEYS - 1) / SPAN_KEYS;
+    if (spans <= MAX_SPANS) return SPAN_KEYS;
+    int64_t keys = (len + MAX_SPANS - 1) / MAX_SPANS;
+    return (keys + 7) / 8 * 8;
+}
+
+/* Eight sums of eight vectors' lanes, one per lane: [sum(a[0]), ..., sum(a[7])]. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* One span of `count` keys (rows `key[0..count)`) against `group` queries qf [group][d]
+ * (already scaled): per query its largest score top[g], the sum of exp(score - top) sum[g]
+ * and the values weighted by those exponentials acc [group][d]. scores: scratch [group][count]. */
+static void attend_span(const float *qf, const float *const *key, const float *const *value, int64_t count,
+                        int64_t group, int64_t d, float *scores, float *top, float *sum, float *acc) {
+    for (int64_t p0 = 0; p0 < count; p0 += 8) { /* eight keys at a time: eight chains of sums */
+        const float *kr[8];
+        for (int j = 0; j < 8; j++) kr[j] = key[p0 + j < count ? p0 + j : count - 1];
+        for (int64_t g = 0; g < group; g++) {
+            __m256 dot[8];
+            for (int j = 0; j < 8; j++) dot[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 qv = _mm256_loadu_ps(qf + g * d + i);
+                for (int j = 0; j < 8; j++) dot[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + i), dot[j]);
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, hsum8x8(dot));
+            for (int64_t j = 0; j < 8 && p0 + j < count; j++) scores[g * count + p0 + j] = lanes[j];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * count, m = sg[0], s = 0;
+        for (int64_t p = 1; p < count; p++) m = sg[p] > m ? sg[p] : m;
+        for (int64_t p = 0; p < count; p++) {
+            sg[p] = expf(sg[p] - m);
+            s += sg[p];
+        }
+        top[g] = m;
+        sum[g] = s;
+        for (int64_t i0 = 0; i0 < d; i0 += 64) { /* 64 outputs at a time: eight sums in registers */
+            int64_t width = d - i0 < 64 ? d - i0 : 64;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            if (width == 64) {
+                for (int64_t p = 0; p < count; p++) {
+                    __m256 e = _mm256_set1_ps(sg[p]);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(e, _mm256_loadu_ps(value[p] + i0 + 8 * j), a[j]);
+                }
+            } else {
+                for (int64_t p = 0; p < count; p++) {
+                    __m256 e = _mm256_set1_ps(sg[p]);
+                    for (int j = 0; j < width / 8; j++)
+                        a[j] = _mm256_fmadd_ps(e, _mm256_loadu_ps(value[p] + i0 + 8 * j), a[j]);
+                }
+            }
+            for (int j = 0; j < width / 8; j++) _mm256_storeu_ps(acc + g * d + i0 + 8 * j, a[j]);
+        }
+    }
+}
+
 /* One new token per sequence attends to its cached keys and values (its own included); the
- * layout is layer_kernels.c's dolmus_decode_attention, in float32. d % 8 == 0. */
+ * layout is layer_kernels.c's dolmus_decode_attention, in float32. d % 8 == 0. Each span's
+ * partial result (its largest score, sum of exponentials and weighted values) is kept, and a
+ * second pass rescales a sequence's spans to their common largest score and adds them. */
 void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                                  const float *v_cache, const int64_t *block_ids, int64_t nb,
                                  const int64_t *lengths, float *out, int64_t n, int64_t hq, int64_t hkv,
                                  int64_t d, int64_t bs, float scale, int64_t window) {
-    int64_t group = hq / hkv;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * hkv; item++) {
-        int64_t s = item / hkv, h = item % hkv, end = lengths[s];
-        int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
-        const int64_t *table = block_ids + s * nb;
-        float *qf = malloc(sizeof(float) * (size_t)(2 * group * d + group * len));
-        if (!qf) continue;
-        float *acc = qf + group * d, *scores = acc + group * d;
-        const float *qs = q + s * q_stride + h * group * d;
-        for (int64_t i = 0; i < group * d; i += 8)
-            _mm256_storeu_ps(qf + i, _mm256_mul_ps(_mm256_loadu_ps(qs + i), _mm256_set1_ps(scale)));
-        for (int64_t p = 0; p < len; p++) {
-            const float *kr = k_cache + ((table[(first + p) / bs] * bs + (first + p) % bs) * hkv + h) * d;
-            for (int64_t g = 0; g < group; g++) {
-                __m256 dot = _mm256_setzero_ps();
-                for (int64_t i = 0; i < d; i += 8)
-                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * d + i), _mm256_loadu_ps(kr + i), dot);
-                scores[g * len + p] = hsum8(dot);
-            }
-        }
-        for (int64_t g = 0; g < group; g++) { /* softmax, in place */
-            float *sg = scores + g * len, top = sg[0], sum = 0;
-            for (int64_t p = 1; p < len; p++) top = sg[p] > top ? sg[p] : top;
-            for (int64_t p = 0; p < len; p++) {
-                sg[p] = expf(sg[p] - top);
-                sum += sg[p];
-            }
-            float inv = 1.0f / sum;
-            for (int64_t p = 0; p < len; p++) sg[p] *= inv;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)(group * d));
-        for (int64_t p = 0; p < len; p++) {
-            const float *vr = v_cache + ((table[(first + p) / bs] * bs + (first + p) % bs) * hkv + h) * d;
-            for (int64_t i = 0; i < d; i += 8) {
-                __m256 v = _mm256_loadu_ps(vr + i);
-                for (int64_t g = 0; g < group; g++) {
-                    float *a = acc + g * d + i;
-                    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + p]), v, _mm256_loadu_ps(a)));
-                }
-            }
-        }
-        memcpy(out + (s * hq + h * group) * d, acc, sizeof(float) * (size_t)(group * d));
-        free(qf);
+    const int64_t group = hq / hkv, part = group * (d + 2); /* a partial: acc, top, sum per query */
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(n + 1)); /* items before sequence s */
+    if (!first_item) abort();
+    first_item[0] = 0;
+    for (int64_t s = 0; s < n; s++) {
+        int64_t end = lengths[s], first = window > 0 && end > window ? end - window : 0, len = end - first;
+        first_item[s + 1] = first_item[s] + hkv * ((len + span_keys(len) - 1) / span_keys(len));
     }
+    const int64_t items = first_item[n];
+    float *partials = malloc(sizeof(float) * (size_t)(items * part));
+    if (!partials) abort();
+#pragma omp parallel
+    {
+        /* per thread: the scaled queries, a span's scores and its rows' addresses */
+        int64_t most = SPAN_KEYS;
+        for (int64_t s = 0; s < n; s++) most = span_keys(lengths[s]) > most ? span_keys(lengths[s]) : most;
+        float *qf = malloc(sizeof(float) * (size_t)(group * (d + most)));
+        const float **rows = malloc(sizeof(float *) * (size_t)(2 * most));
+        if (!qf || !rows) abort();
+        float *scores = qf + group * d;
+        int64_t s = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            while (first_item[s + 1] <= item) s++; /* items ascend within a thread */
+            while (first_item[s] > item) s--;
+            int64_t end = lengths[s], first = window > 0 && end > window ? end - window : 0, len = end - first;
+            int64_t keys = span_keys(len), spans = (len + keys - 1) / keys;
+            int64_t h = (item - first_item[s]) / spans, span = (item - first_item[s]) % spans;
+            int64_t p0 = first + span * keys, count = end - p0 < keys ? end - p0 : keys;
+            const int64_t *table = block_ids + s * nb;
+            for (int64_t p = 0; p < count; p++) {
+                int64_t slot = table[(p0 + p) / bs] * bs + (p0 + p) % bs;
+                rows[p] = k_cache + (slot * hkv + h) * d;
+                rows[most + p] = v_cache + (slot * hkv + h) * d;
+            }
+            const float *qs = q + s * q_stride + h * group * d;
+            for (int64_t i = 0; i < group * d; i += 8)
+                _mm256_storeu_ps(qf + i, _mm256_mul_ps(_mm256_loadu_ps(qs + i), _mm256_set1_ps(scale)));
+            float *pr = partials + item * part;
+            attend_span(qf, rows, rows + most, count, group, d, scores, pr + group * d, pr + group * d + group, pr);
+        }
+        free(qf);
+        free(rows);
+        /* the implicit barrier above: every span is done */
+#pragma omp for schedule(static)
+        for (int64_t sh = 0; sh < n * hkv; sh++) {
+            int64_t s2 = sh / hkv, h = sh % hkv, spans = (first_item[s2 + 1] - first_item[s2]) / hkv;
+            const float *pr = partials + (first_item[s2] + h * spans) * part;
+            if (!spans) { /* no key to attend to (a sequence's length is at least 1) */
+                memset(out + (s2 * hq + h * group) * d, 0, sizeof(float) * (size_t)(group * d));
+                continue;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float m = pr[group * d + g], total = 0;
+                for (int64_t c = 1; c < spans; c++) m = pr[c * part + group * d + g] > m ? pr[c * part + group * d + g] : m;
+                float *o = out + (s2 * hq + h * group + g) * d;
+                for (int64_t c = 0; c < spans; c++) {
+                    const float *pc = pr + c * part;
+                    float w = expf(pc[group * d + g] - m);
+                    total += pc[group * d + group + g] * w;
+                    for (int64_t i = 0; i < d; i++) o[i] = (c ? o[i] : 0.0f) + pc[g * d + i] * w;
+                }
+                float inv = 1.0f / total;
+                for (int64_t i = 0; i < d; i++) o[i] *= inv;
+            }
+        }
+    }
+    free(partials);
+    free(first_item);
 }
