@@ -206,9 +206,10 @@ class EngineConfig:
     # previous token on the host before sampling (seeds, penalties, min_tokens, logprobs,
     # structured output), and with speculative decoding or a KV connector.
     async_scheduling: bool | None = None
-    # GGUF 8-bit blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without
-    # AVX-512 BF16): float (exact products) | int8 (x rounded to int8 per block of 32 at up to
-    # 8 rows, as llama.cpp does: faster decode, a little less accurate)
+    # GGUF blocks on the AVX2 block kernels (float32 runs; bf16 ones on CPUs without AVX-512
+    # BF16): float (exact products) | int8 (x rounded to int8 per block of 32, as llama.cpp
+    # does, for 8-bit blocks at up to 8 rows and 4-bit ones at one: faster decode, a little
+    # less accurate)
     gguf_activations: str = choice("float", ("float", "int8"))
     # auto (the model dtype) | int8 | fp8: a scale per token and head
     kv_cache_dtype: str = choice("auto", KV_CACHEDTYPE_NAMES)
