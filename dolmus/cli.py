@@ -143,8 +143,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--gguf-activations",
         choices=_choices(EngineConfig, "gguf_activations"),
         default=d.gguf_activations,
-        help="GGUF 8-bit blocks (Q8_0, Q5_*, Q6_K...) on the AVX2 kernels (float32 runs): int8 rounds "
-        "x to int8 per block of 32 at decode, as llama.cpp does: faster, a little less accurate",
+        help="GGUF blocks on the AVX2 kernels (float32 runs): int8 rounds x to int8 per block of 32 "
+        "at decode (8-bit blocks up to 8 sequences, 4-bit ones at one), as llama.cpp does: faster, "
+        "a little less accurate",
     )
     g.add_argument(
         "--attention-backend",

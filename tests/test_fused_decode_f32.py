@@ -34,7 +34,8 @@ def _outputs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
 def test_gguf_blocks_fused_in_float32_give_the_modules_bits(
     tmp_path, model_root, kind: str, activations: str
 ) -> None:
-    """4- and 8-bit blocks, on float and on int8 activations (the int8-x kernels up to 8 rows)."""
+    """4- and 8-bit blocks, on float and on int8 activations (the int8-x kernels: 8-bit blocks up
+    to 8 rows, 4-bit ones at one)."""
     from dolmus.cli import main
 
     out = tmp_path / f"{kind}.gguf"

@@ -58,6 +58,12 @@ class Engine:
         if self.device.type == "cpu":
             cpu_profile()  # decided (and logged, in one line) before any kernel is chosen
         self.dtype = config.resolve_dtype(mc.dtype, self.device, native.cpu_has_bf16())
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native.cpu_has_bf16():
+            logger.warning(
+                "dtype bfloat16: this CPU has no bf16 arithmetic (AVX-512 BF16, AMX), so every product "
+                "is emulated and slow; --dtype auto runs a bf16 checkpoint in float32 on our kernels, "
+                "its weights kept in bf16"
+            )
         self.max_model_len = self._resolve_max_model_len(mc)
         self.tokenizer = load_tokenizer(str(config.tokenizer or path))
         spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)

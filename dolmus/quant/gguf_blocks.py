@@ -304,7 +304,8 @@ def matmul(w: BlockCodes, x: torch.Tensor, int8_x: bool = False) -> torch.Tensor
 
     `int8_x`: at up to I8_MAX_ROWS rows (Q4_I8_MAX_ROWS for 4 bits) x is rounded to int8 per
     block of 32 (max |x| / 127 a step, as llama.cpp's Q8_0 / Q8_1 activations) for integer dot
-    products; the minima's term takes the float sums of x."""
+    products; the minima's term takes the sums of the rounded x for 4-bit blocks (Q8_1's), of
+    x itself for 8-bit ones."""
     m, k = x.shape
     n = w.codes.shape[0]
     if int8_x and m <= (Q4_I8_MAX_ROWS if w.bits == 4 else I8_MAX_ROWS):

@@ -98,7 +98,7 @@ def load_model(
     int8_block_activations: bool = False,
 ) -> nn.Module:
     """Build the architecture's model for this tensor-parallel rank and fill it from `folder`.
-    `int8_block_activations`: GGUF 8-bit blocks on the AVX2 kernels round x to int8 (gguf_blocks.matmul)."""
+    `int8_block_activations`: GGUF blocks on the AVX2 kernels round x to int8 (gguf_blocks.matmul)."""
     gguf = is_gguf(folder)
     fmt = checkpoint_format(cfg.quantization_config)
     if gguf or fmt is not None:  # 4-bit codes may arrive as stored (GGUF Q4_0, GPTQ, AWQ)

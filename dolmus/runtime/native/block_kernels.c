@@ -12,9 +12,10 @@
  * dequantization gives.
  *
  * At a few rows (decode) the time is the weight reads: each block is decoded once into float
- * registers and multiplied with up to MR rows of x. Runs that already round (bf16) may take
- * x as int8 per block of 32 instead, as llama.cpp does for every run (dolmus_q8_gemm_i8):
- * integer dot products of 32 bytes in a few instructions, no float decode of the weight. Many rows (prefill) go to PyTorch's GEMM
+ * registers and multiplied with up to MR rows of x. `--gguf-activations int8` takes x as int8
+ * per block of 32 instead, as llama.cpp does for every run (dolmus_q8_gemm_i8, and
+ * dolmus_q4_gemm_i8 at one row): integer dot products of 32 bytes in a few instructions, no
+ * float decode of the weight. Many rows (prefill) go to PyTorch's GEMM
  * on rows dequantized a chunk at a time (the *_dequant functions). Output rows are split over
  * PyTorch's OpenMP threads (see __init__.py).
  */
@@ -352,7 +353,10 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* One output row n of the 4-bit weight against rows [m0, m0 + R) of the int8 x: codes 0..15
  * (unsigned) by x (signed) in maddubs, pairs summed to 8 int32 lanes, scaled by s * dx in
- * float; the minima's term is minimum times the float sums of x per block. */
+ * float; the minima's term is minimum times the sums of the rounded x per block (dx times the
+ * sum of its int8 codes, as llama.cpp's Q8_1), so each weight w = q s + m meets the same
+ * rounded x: the error is w times x's rounding, where float sums of x would leave q s times it
+ * (larger: q runs 0..15 where w is centred by m). */
 static inline __attribute__((always_inline)) void q4_i8_tile(const int8_t *xq, const float *xd, const float *xs,
                                                              const uint8_t *qn, const float *sn, const float *mn,
                                                              float *y, int64_t m0, int R, int64_t N, int64_t K,
@@ -375,7 +379,8 @@ static inline __attribute__((always_inline)) void q4_i8_tile(const int8_t *xq, c
 
 /* y[M][N] = x[M][K] times the 4-bit weight, x rounded to int8 per block of 32 first (as
  * llama.cpp's Q8_1 activations): a block's product is ~10 integer instructions, against ~20 to
- * decode it to floats, which is what bounds dolmus_q4_gemm_f32 at a few rows. */
+ * decode it to floats, which is what bounds dolmus_q4_gemm_f32 at one row (from two rows the
+ * float tile shares each decode; gguf_blocks.Q4_I8_MAX_ROWS). */
 void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, const float *minimum, float *y,
                        int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / 32;
@@ -383,7 +388,12 @@ void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, con
     float *xd = malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = minimum ? malloc(sizeof(float) * (size_t)(M * nb)) : NULL;
     if (xq && xd && (xs || !minimum)) {
-        quantize_rows_i8(x, M, K, 32, xq, xd, xs);
+        quantize_rows_i8(x, M, K, 32, xq, xd, NULL);
+        for (int64_t i = 0; xs && i < M * nb; i++) { /* the rounded x's sum per block */
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += xq[i * 32 + j];
+            xs[i] = xd[i] * (float)t;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *qn = q + n * nb * 16;

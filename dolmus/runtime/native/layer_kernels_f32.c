@@ -83,7 +83,7 @@ void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float
  * (items per sequence and head: its spans; one item per KV head left a 3-KV-head model's batch-1
  * step on one core for two thirds of the time). How a sequence is cut depends on its length
  * only, never on its companions, so its result does not depend on its batch. */
-#define SPAN_KEYS 64 /* keys per span at least: a span's keys and values stay in L1 */
+#define SPAN_KEYS 64 /* keys per span at least: a span's keys and values stay in L2 (16 KB each at d = 64) */
 #define MAX_SPANS 16 /* spans per sequence at most: bounds the partial results kept per call */
 
 static inline int64_t span_keys(int64_t len) {
@@ -162,18 +162,18 @@ void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *
     int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(n + 1)); /* items before sequence s */
     if (!first_item) abort();
     first_item[0] = 0;
+    int64_t most = SPAN_KEYS; /* the longest span: sizes each thread's scratch */
     for (int64_t s = 0; s < n; s++) {
         int64_t end = lengths[s], first = window > 0 && end > window ? end - window : 0, len = end - first;
         first_item[s + 1] = first_item[s] + hkv * ((len + span_keys(len) - 1) / span_keys(len));
+        most = span_keys(len) > most ? span_keys(len) : most;
     }
     const int64_t items = first_item[n];
     float *partials = malloc(sizeof(float) * (size_t)(items * part));
-    if (!partials) abort();
+    if (!partials && items) abort();
 #pragma omp parallel
     {
         /* per thread: the scaled queries, a span's scores and its rows' addresses */
-        int64_t most = SPAN_KEYS;
-        for (int64_t s = 0; s < n; s++) most = span_keys(lengths[s]) > most ? span_keys(lengths[s]) : most;
         float *qf = malloc(sizeof(float) * (size_t)(group * (d + most)));
         const float **rows = malloc(sizeof(float *) * (size_t)(2 * most));
         if (!qf || !rows) abort();
