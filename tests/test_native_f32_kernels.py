@@ -45,6 +45,19 @@ def test_rms_norm_f32_equals_pytorch(rows: int, size: int) -> None:
     torch.testing.assert_close(native_ops.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-6, atol=1e-6)
 
 
+def _sdpa_over_blocks(
+    q: torch.Tensor, cache: PagedKV, blocks: torch.Tensor, first: int, end: int
+) -> torch.Tensor:
+    """One sequence's query heads q [Hq, D] attending to its cached positions [first, end)
+    through PyTorch's SDPA, its KV heads repeated for their query groups."""
+    keys = cache.blocks(0, blocks)[first:end].transpose(0, 1)
+    values = cache.blocks(1, blocks)[first:end].transpose(0, 1)
+    group = q.shape[0] // keys.shape[0]
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(1), keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    ).squeeze(1)
+
+
 @needs_avx2
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (4, 1, 128), (4, 2, 32), (4, 2, 16)]
@@ -65,13 +78,7 @@ def test_decode_attention_f32_equals_sdpa_over_gathered_blocks(heads, kv_heads, 
     out = torch.full((n, heads, head_dim), float("nan"))
     native_ops.decode_attention(q, cache.data[0], cache.data[1], block_ids, lengths, out, bs, head_dim**-0.5)
     for i in range(n):
-        keys = cache.blocks(0, block_ids[i])[: lengths[i]]
-        values = cache.blocks(1, block_ids[i])[: lengths[i]]
-        expected = F.scaled_dot_product_attention(
-            q[i].unsqueeze(1),
-            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        ).squeeze(1)
+        expected = _sdpa_over_blocks(q[i], cache, block_ids[i], 0, int(lengths[i]))
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -95,13 +102,7 @@ def test_decode_attention_f32_splits_long_sequences_by_length_alone(window: int)
     native_ops.decode_attention(q, cache.data[0], cache.data[1], *args)
     for i, length in enumerate(lengths.tolist()):
         first = max(length - window, 0) if window else 0
-        keys = cache.blocks(0, block_ids[i])[first:length]
-        values = cache.blocks(1, block_ids[i])[first:length]
-        expected = F.scaled_dot_product_attention(
-            q[i].unsqueeze(1),
-            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        ).squeeze(1)
+        expected = _sdpa_over_blocks(q[i], cache, block_ids[i], first, length)
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
         alone = torch.full((1, heads, head_dim), float("nan"))
         one = slice(i, i + 1)

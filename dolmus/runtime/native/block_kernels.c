@@ -351,30 +351,24 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return r;
 }
 
-/* One output row n of the 4-bit weight against rows [m0, m0 + R) of the int8 x: codes 0..15
- * (unsigned) by x (signed) in maddubs, pairs summed to 8 int32 lanes, scaled by s * dx in
- * float; the minima's term is minimum times the sums of the rounded x per block (dx times the
- * sum of its int8 codes, as llama.cpp's Q8_1), so each weight w = q s + m meets the same
- * rounded x: the error is w times x's rounding, where float sums of x would leave q s times it
- * (larger: q runs 0..15 where w is centred by m). */
-static inline __attribute__((always_inline)) void q4_i8_tile(const int8_t *xq, const float *xd, const float *xs,
-                                                             const uint8_t *qn, const float *sn, const float *mn,
-                                                             float *y, int64_t m0, int R, int64_t N, int64_t K,
-                                                             int64_t n) {
+/* One output row n of the 4-bit weight against row m of the int8 x: codes 0..15 (unsigned) by
+ * x (signed) in maddubs, pairs summed to 8 int32 lanes, scaled by s * dx in float; the
+ * minima's term is minimum times the sums of the rounded x per block (dx times the sum of its
+ * int8 codes, as llama.cpp's Q8_1), so each weight w = q s + m meets the same rounded x: the
+ * error is w times x's rounding, where float sums of x would leave q s times it (larger: q
+ * runs 0..15 where w is centred by m). One row at a time: it runs at one row only
+ * (gguf_blocks.Q4_I8_MAX_ROWS), so no row tile shares a block's widening. */
+static float q4_i8_row(const int8_t *xq, const float *xd, const float *xs, const uint8_t *qn, const float *sn,
+                       const float *mn, int64_t m, int64_t K) {
     int64_t nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MR];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i w = q4_bytes(qn + b * 16);
-        for (int i = 0; i < R; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + b * 32));
-            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
-            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(sn[b] * xd[(m0 + i) * nb + b]), acc[i]);
-        }
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
+        __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q4_bytes(qn + b * 16), xv), ones));
+        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(sn[b] * xd[m * nb + b]), acc);
     }
-    for (int i = 0; i < R; i++)
-        y[(m0 + i) * N + n] = hsum(acc[i]) + (mn ? dot_f32(mn, xs + (m0 + i) * nb, nb) : 0.0f);
+    return hsum(acc) + (mn ? dot_f32(mn, xs + m * nb, nb) : 0.0f);
 }
 
 /* y[M][N] = x[M][K] times the 4-bit weight, x rounded to int8 per block of 32 first (as
@@ -398,14 +392,7 @@ void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, con
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *qn = q + n * nb * 16;
             const float *sn = scale + n * nb, *mn = minimum ? minimum + n * nb : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                switch (M - m0 < MR ? (int)(M - m0) : MR) {
-                case 1: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 1, N, K, n); break;
-                case 2: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 2, N, K, n); break;
-                case 3: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, 3, N, K, n); break;
-                default: q4_i8_tile(xq, xd, xs, qn, sn, mn, y, m0, MR, N, K, n); break;
-                }
-            }
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = q4_i8_row(xq, xd, xs, qn, sn, mn, m, K);
         }
     }
     free(xq);
