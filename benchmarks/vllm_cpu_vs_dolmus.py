@@ -23,6 +23,12 @@ it out of CI):
 one user (4 requests) and four users (8 requests); its TTFT at one user is the prompt
 processing time of a 2,048-token prompt.
 
+On a CPU without bf16 arithmetic (AVX2 only) bf16 is emulated and the two servers' own
+defaults part: vLLM's `--dtype auto` is still bf16 there, ours runs float32 products on the
+bf16 weights widened in registers (the same bytes a token as bf16). `--dolmus-dtype auto`
+compares the defaults; `--vllm-dtype float32` gives vLLM float32 products too (on float32
+weights: twice the bytes).
+
 It is started as `VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 V/bin/python -m
 vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16 --max-model-len 4096` (the
 `vllm serve` entry point looks for a distribution named "vllm" and fails); it compiles for
@@ -61,10 +67,10 @@ LOADS = [
 LONG_PROMPT_LOADS = [Load("1 user, 2048-token prompts", 1, 4), Load("4 users, 2048-token prompts", 4, 8)]
 
 
-def _vllm(python: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _vllm(python: str, model: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", "{port}"]
-    cmd += ["--dtype", "bfloat16", "--max-model-len", "4096"]
+    cmd += ["--dtype", dtype, "--max-model-len", "4096"]
     return start_peer("vLLM", cmd, 600, env, log)
 
 
@@ -74,8 +80,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/vllm-cpu-bench"))
     parser.add_argument("--input-len", default="128")
     parser.add_argument("--output-len", default="128")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype")
+    parser.add_argument("--dolmus-dtype", default="bfloat16", help="dolmus's --dtype (auto: its own default)")
     parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
     parser.add_argument("--skip-vllm", action="store_true", help="only dolmus (for quick iterations)")
+    parser.add_argument("--skip-dolmus", action="store_true", help="only vLLM (another --vllm-dtype)")
     parser.add_argument(
         "--long-prompts", action="store_true", help="2048 prompt / 32 output tokens at 1 and 4 users instead"
     )
@@ -87,14 +96,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[str, list[tuple[dict, float]]] = {}
-    for name in ("dolmus",) if args.skip_vllm else ("vLLM-CPU", "dolmus"):
+    names = [n for n, skip in (("vLLM-CPU", args.skip_vllm), ("dolmus", args.skip_dolmus)) if not skip]
+    for name in names:
         print(f"\n=== {name} ===", flush=True)
         if name == "dolmus":
             server = ServerProcess(
                 "--model",
                 str(model),
                 "--dtype",
-                "bfloat16",
+                args.dolmus_dtype,
                 "--num-threads",
                 str(THREADS),
                 *args.dolmus_serve_args.split(),
@@ -102,7 +112,7 @@ def main() -> None:
             )
             base_url, stop = server.base_url, server.stop
         else:
-            proc, base_url = _vllm(args.vllm_python, model, args.out / "vllm.log")
+            proc, base_url = _vllm(args.vllm_python, model, args.vllm_dtype, args.out / "vllm.log")
             stop = proc.terminate
         try:
             for i, load in enumerate(loads):
@@ -115,9 +125,12 @@ def main() -> None:
             if name != "dolmus":
                 proc.wait(timeout=60)
 
-    print(f"\n{model.name} (bf16), {args.input_len} in / {args.output_len} out, {THREADS} threads, greedy")
-    if args.skip_vllm:
-        for load, (run, pressure) in zip(loads, runs["dolmus"]):
+    print(
+        f"\n{model.name} (bf16 weights; --dtype vLLM {args.vllm_dtype}, dolmus {args.dolmus_dtype}), "
+        f"{args.input_len} in / {args.output_len} out, {THREADS} threads, greedy"
+    )
+    if len(names) == 1:
+        for load, (run, pressure) in zip(loads, runs[names[0]]):
             s = run["summary"]
             print(
                 f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
@@ -128,7 +141,7 @@ def main() -> None:
     else:
         print_table("vLLM-CPU", loads, runs)
 
-    if args.long_prompts:  # the roofline is for short contexts' decode
+    if args.long_prompts or args.skip_dolmus:  # the roofline is for dolmus's short-context decode
         return
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     torch.set_num_threads(THREADS)

@@ -20,12 +20,13 @@ def _weights(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=gen).bfloat16().float()  # a bf16 checkpoint's values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 70])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (1152, 896), (24, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_float64_reference(rows: int, n: int, k: int, bias: bool) -> None:
-    """Outputs past a whole panel, inputs past a chunk of 512 and odd counts, every row-block
-    remainder, with and without a bias."""
+    """Outputs past a whole panel, inputs past a chunk of 256 and odd counts, up to 4 rows
+    widened in registers and from 5 on a widened chunk in blocks of 6 (a last 1 or 2 rows
+    split 4 + 3 or 4 + 4 with the block before), with and without a bias."""
     w = _weights(n, k, rows * n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=gen)

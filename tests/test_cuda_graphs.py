@@ -91,6 +91,9 @@ SCRIPT = textwrap.dedent(
     # the spare block padding rows write to is past every block the engine hands out
     assert runner.kv_caches[0].data.shape[1] == (runner.num_blocks + 1) * runner.block_size
     assert got == want, (got, want)
+    if not {every_mode}:  # the modes below are the same code whatever the architecture
+        print("ok")
+        sys.exit(0)
     # async scheduling: decode inputs read the last step's tokens on the device, in the graph
     ahead, runner = tokens(attention_backend="triton", async_scheduling=True)
     assert runner.fused_decoder.last_sampled is runner.inflight.device_buffer
@@ -108,8 +111,11 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_triton_backend_and_graphs_match_transformers(arch: str, tmp_path: Path) -> None:
+    """qwen2 (one KV head) through every mode (async scheduling, eager, an int8 cache); mistral
+    (grouped KV heads, linear rope scaling) through graphs alone: under the interpreter each
+    mode costs it ~10 s, and the modes' code does not depend on the architecture."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "DOLMUS_EMULATE_CUDA_GRAPHS": "1"}
-    script = SCRIPT.format(tests=str(TESTS), arch=arch, root=str(tmp_path))
+    script = SCRIPT.format(tests=str(TESTS), arch=arch, root=str(tmp_path), every_mode=arch == "qwen2")
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )

@@ -118,3 +118,84 @@ def test_processors_leave_the_callers_float32_logits_raw():
     assert torch.equal(logits, raw)
     probs = sampler.probabilities(logits, rows)
     assert torch.equal(logits, raw) and torch.allclose(probs.sum(-1), torch.ones(2))
+
+
+def test_top_k_top_p_keeps_what_transformers_warpers_keep():
+    """A batch of rows, each through transformers' TopKLogitsWarper then TopPLogitsWarper alone:
+    peaked rows (a nucleus among the candidates), flat rows (a nucleus past them: the whole
+    row is sorted), rows of ties at the k-th value, k past the candidates, and untouched rows."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from dolmus.runtime.logits_processing import TRUNCATION_CANDIDATES, top_k_top_p
+
+    vocab = 4 * TRUNCATION_CANDIDATES
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "peaked": lambda: torch.randn(vocab, generator=g) * 6,
+        "flat": lambda: torch.randn(vocab, generator=g) * 0.3,
+        "ties": lambda: torch.randint(0, 3, (vocab,), generator=g).float(),
+    }
+    cases = [
+        (shape, k, p)
+        for shape in shapes
+        for k in (0, 1, 7, TRUNCATION_CANDIDATES + 40, vocab - 1)
+        for p in (1.0, 0.95, 0.6)
+    ]
+    logits = torch.stack([shapes[shape]() for shape, _, _ in cases])
+    # A batch takes as many candidates as its widest top-k: rows with k = vocab - 1 apart,
+    # so that the others run on fewer candidates than the vocabulary.
+    wide = torch.tensor([k == vocab - 1 for _, k, _ in cases])
+    got = torch.empty_like(logits)
+    for part in (wide, ~wide):
+        got[part] = top_k_top_p(
+            logits[part],
+            [k for (_, k, _), w in zip(cases, part) if w],
+            [p for (_, _, p), w in zip(cases, part) if w],
+        )
+    for row, (shape, k, p) in enumerate(cases):
+        want = logits[row : row + 1].clone()
+        if 0 < k < vocab:
+            want = TopKLogitsWarper(k)(None, want)
+        if p < 1.0:
+            want = TopPLogitsWarper(p)(None, want)
+        if shape == "ties" and p < 1.0:
+            # which of equal tokens fall inside the nucleus is the sort's choice: the same
+            # values must stay, not the same positions
+            assert torch.equal(got[row].sort().values, want[0].sort().values), (shape, k, p)
+        else:
+            assert torch.equal(got[row : row + 1], want), (shape, k, p)
+    assert torch.isinf(got).sum() > 0  # not a test of rows left alone
+
+
+def test_penalties_on_a_batch_match_each_row_alone():
+    """Repetition (transformers' processor: every token seen, prompt included) and OpenAI's
+    frequency and presence penalties (output tokens only), rows of different settings and
+    lengths in one batch, ids past the vocabulary ignored."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    vocab = 64
+    g = torch.Generator().manual_seed(1)
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, repetition_penalty=0.8, frequency_penalty=-0.5),
+    ]
+    rows = []
+    for i, p in enumerate(params):
+        prompt = torch.randint(0, vocab, (5 + 3 * i,), generator=g).tolist()
+        output = torch.randint(0, vocab, (2 * i,), generator=g).tolist() + [vocab + 3]
+        rows.append(SamplingRow(p, None, prompt + output, len(prompt), []))
+    logits = torch.randn(len(rows), vocab, generator=g)
+    got = logits.clone()
+    Sampler._apply_processors(got, rows)
+    for i, (row, p) in enumerate(zip(rows, params)):
+        want = logits[i : i + 1].clone()
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor([[t for t in row.token_ids if t < vocab]])
+            want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, want)
+        out = torch.tensor([t for t in row.output_ids if t < vocab], dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab)
+        want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        torch.testing.assert_close(got[i : i + 1], want, rtol=0, atol=1e-6)
+    assert not torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])

@@ -50,6 +50,11 @@ export class ChatView {
     this.app = app;
     this.conversation = null;
     this.controller = null; // the running answer's AbortController
+    // The page can take a message before the saved conversations are read from IndexedDB:
+    // sending waits for start() to have opened one, rather than finding none.
+    this.ready = new Promise((resolve) => {
+      this.markReady = resolve;
+    });
     $("composer").addEventListener("submit", (event) => {
       event.preventDefault();
       this.send();
@@ -78,8 +83,14 @@ export class ChatView {
 
   async start() {
     this.loadSettings();
-    const list = await store.listConversations();
+    let list = [];
+    try {
+      list = await store.listConversations();
+    } catch (error) {
+      this.showError(`saved conversations could not be read: ${error.message}`);
+    }
     await this.open(list[0] || null);
+    this.markReady();
   }
 
   // -- settings ---------------------------------------------------------------------
@@ -243,7 +254,8 @@ export class ChatView {
     area.focus();
   }
 
-  send() {
+  async send() {
+    await this.ready;
     const text = $("input").value;
     if (!text.trim() || this.controller) return;
     $("input").value = "";
