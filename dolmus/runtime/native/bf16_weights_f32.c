@@ -41,16 +41,28 @@ static inline __m256 widen_hi(__m256i w) { /* outputs 8-15: the lanes' high halv
     return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* R rows' 16 sums each between acc and registers (R a constant at each call site). */
+static inline __attribute__((always_inline)) void load_sums(const float *acc, const int R, __m256 s[][2]) {
+    for (int r = 0; r < R; r++) {
+        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
+        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_sums(float *acc, const int R, __m256 s[][2]) {
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
+        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
+    }
+}
+
 /* Inputs [k0, k1) of rows [0, R) of x (rows ldx apart) times panel pp, added to acc (R rows of
  * 16 floats). R is a constant at each call site, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp, int64_t k0, int64_t k1,
                                                                 const float *x, int64_t ldx, const int R,
                                                                 float *acc) {
-    __m256 s[SMALL][2];
-    for (int r = 0; r < R; r++) {
-        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
-        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
-    }
+    __m256 s[ROWS][2];
+    load_sums(acc, R, s);
     for (int64_t k = k0; k < k1; k++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(pp + 16 * k));
         __m256 lo = widen_lo(w), hi = widen_hi(w);
@@ -60,10 +72,7 @@ static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp,
             s[r][1] = _mm256_fmadd_ps(a, hi, s[r][1]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
-        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
-    }
+    store_sums(acc, R, s);
 }
 
 /* Inputs [0, n) of rows [0, R) of x (rows ldx apart, from the chunk's first input) times the
@@ -71,10 +80,7 @@ static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp,
 static inline __attribute__((always_inline)) void fma_widened(const float *wf, int64_t n, const float *x,
                                                                  int64_t ldx, const int R, float *acc) {
     __m256 s[ROWS][2];
-    for (int r = 0; r < R; r++) {
-        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
-        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
-    }
+    load_sums(acc, R, s);
     for (int64_t k = 0; k < n; k++) {
         __m256 lo = _mm256_load_ps(wf + 16 * k), hi = _mm256_load_ps(wf + 16 * k + 8);
         for (int r = 0; r < R; r++) {
@@ -83,10 +89,7 @@ static inline __attribute__((always_inline)) void fma_widened(const float *wf, i
             s[r][1] = _mm256_fmadd_ps(a, hi, s[r][1]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
-        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
-    }
+    store_sums(acc, R, s);
 }
 
 /* Inputs [k0, k1) of panel pp widened into wf. */
