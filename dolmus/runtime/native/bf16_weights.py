@@ -4,7 +4,7 @@ Where bf16 is emulated (no AVX-512 BF16, no AMX) a bf16 checkpoint runs in float
 decode step, which reads every weight once, reads 4 bytes per weight. Kept as the bf16 they
 were (exact: a float32 weight is stored so only if its bf16 rounding is itself) and widened in
 registers (bf16_weights_f32.c), the step reads 2. Prefill chunks run there too: on an AVX2-only
-AMD EPYC (Zen 3, 2 cores) the kernel reaches ~165-185 GFLOP/s at 128-512 rows, near the
+AMD EPYC (Zen 3, 2 cores) the kernel reaches ~155-180 GFLOP/s at 512 rows, near the
 cores' FMA peak and level with or above oneDNN's float32 product on float32 weights, and
 widening the weight for PyTorch's product instead cost more than the product
 (benchmarks/bf16_weights_avx2.py).
