@@ -56,7 +56,10 @@ def main() -> None:
                 rates.setdefault((dtype, batch), []).append(batch * OUTPUT_LEN / (time.perf_counter() - t))
                 texts[dtype] = out[0].outputs[0].text
     pressure = (cpu_pressure() - psi) / 1e6 / (time.monotonic() - start)
-    print(f"{Path(args.model).name}: auto = {resolved}; {args.rounds} interleaved rounds, CPU pressure {100 * pressure:.1f}%")
+    print(
+        f"{Path(args.model).name}: auto = {resolved}; {args.rounds} interleaved rounds, "
+        f"CPU pressure {100 * pressure:.1f}%"
+    )
     print(f"| streams | auto ({resolved}) tok/s | float32 tok/s | auto / float32 (medians) |")
     print("| --- | --- | --- | --- |")
     for batch in BATCHES:
