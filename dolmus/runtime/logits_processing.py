@@ -71,11 +71,11 @@ def top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
     it is under p."""
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]
-    truncated = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab or p < 1.0]
     if logits.device.type != "cpu":
         # One sort on the device, with no host sync (async scheduling samples without one);
         # the candidates' split below needs to know on the host which rows spill.
         return _sorted_top_k_top_p(logits, ks, list(top_p))
+    truncated = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab or p < 1.0]
     out = logits.clone()
     if not truncated:
         return out
@@ -100,9 +100,10 @@ def top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
     kept_values = kept_values.masked_fill(~keep, float("-inf"))
     # Rows whose kept set may reach past the candidates: a tie at the k-th value running to
     # the last candidate, or (without top-k) a nucleus the candidates' mass does not cover.
-    spill = with_k & (values[:, -1] >= kth[:, 0]) if width < vocab else torch.zeros_like(with_k)
     if width < vocab:
-        spill |= ~with_k & (probs.sum(-1) < p[:, 0])
+        spill = (with_k & (values[:, -1] >= kth[:, 0])) | (~with_k & (probs.sum(-1) < p[:, 0]))
+    else:
+        spill = torch.zeros_like(with_k)
     fast = (~spill).nonzero().flatten()
     at = torch.tensor(truncated, device=logits.device)
     out[at[fast]] = torch.full_like(rows[fast], float("-inf")).scatter_(1, ids[fast], kept_values[fast])

@@ -6,8 +6,7 @@
  * with o in the order 0, 8, 1, 9, ..., 7, 15, outputs past N zero. A panel's 16 weights of input
  * k are 32 contiguous bytes; read as eight 32-bit lanes, a shift left by 16 gives outputs 0-7 as
  * floats and an and of the high halves 8-15 (a bf16 is the high half of its float32), and they
- * meet x[r][k] broadcast in
- * a fused multiply-add. K goes in chunks whose weights stay in L1 while every block of rows
+ * meet x[r][k] broadcast in a fused multiply-add. K goes in chunks whose weights stay in L1 while every block of rows
  * passes over them, so the weights come from memory once per call. Up to SMALL rows share each
  * pair widened in registers (2 rows' sums each). From SMALL + 1 rows a chunk is widened once
  * into an L1 scratch of floats, and blocks of ROWS rows (12 sums in registers) read it: on
@@ -161,10 +160,12 @@ static void panel_product(const uint16_t *pp, int64_t K, const float *x, int64_t
             fma_widened(wf, n, xr, K, ROWS, ar);
             break;
         case 7:
+            fma_widened(wf, n, xr, K, 4, ar);
+            fma_widened(wf, n, xr + 4 * K, K, 3, ar + 64);
+            break;
         case 8:
             fma_widened(wf, n, xr, K, 4, ar);
-            if (tail == 7) fma_widened(wf, n, xr + 4 * K, K, 3, ar + 64);
-            else fma_widened(wf, n, xr + 4 * K, K, 4, ar + 64);
+            fma_widened(wf, n, xr + 4 * K, K, 4, ar + 64);
             break;
         default: break; /* M <= SMALL never gets here */
         }
