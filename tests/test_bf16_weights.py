@@ -20,13 +20,13 @@ def _weights(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=gen).bfloat16().float()  # a bf16 checkpoint's values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 70])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (1152, 896), (24, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_float64_reference(rows: int, n: int, k: int, bias: bool) -> None:
-    """Outputs past a whole panel, inputs past a chunk of 256 and odd counts, up to 4 rows
-    widened in registers and from 5 on a widened chunk in blocks of 6 (a last 1 or 2 rows
-    split 4 + 3 or 4 + 4 with the block before), with and without a bias."""
+    """Outputs past a whole panel, inputs past a chunk of 256 and odd counts, one row, one
+    block of 2 to 6 rows and every split into blocks of 3 to 6 (7 = 3 + 4, 13 = 4 + 4 + 5),
+    with and without a bias."""
     w = _weights(n, k, rows * n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=gen)
@@ -37,11 +37,13 @@ def test_product_equals_float64_reference(rows: int, n: int, k: int, bias: bool)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
-    w, x = _weights(72, 300, 1), torch.randn(9, 300, generator=torch.Generator().manual_seed(2))
+    """Every row count splits its rows differently (one row, register blocks, widened blocks
+    and their rests): each row's outputs are the same bits as when it runs alone."""
+    w, x = _weights(72, 600, 1), torch.randn(21, 600, generator=torch.Generator().manual_seed(2))
     packed = bf16_weights.pack(w)
-    together = bf16_weights.matmul(x, packed, 72, None)
-    for r in range(9):
-        assert torch.equal(bf16_weights.matmul(x[r : r + 1], packed, 72, None)[0], together[r])
+    alone = torch.cat([bf16_weights.matmul(x[r : r + 1], packed, 72, None) for r in range(21)])
+    for m in range(2, 22):
+        assert torch.equal(bf16_weights.matmul(x[:m], packed, 72, None), alone[:m]), m
 
 
 def test_activations_not_in_float32_take_pytorchs_product() -> None:

@@ -6,16 +6,17 @@
  * with o in the order 0, 8, 1, 9, ..., 7, 15, outputs past N zero. A panel's 16 weights of input
  * k are 32 contiguous bytes; read as eight 32-bit lanes, a shift left by 16 gives outputs 0-7 as
  * floats and an and of the high halves 8-15 (a bf16 is the high half of its float32), and they
- * meet x[r][k] broadcast in a fused multiply-add. K goes in chunks whose weights stay in L1 while every block of rows
- * passes over them, so the weights come from memory once per call. Up to SMALL rows share each
- * pair widened in registers (2 rows' sums each). From SMALL + 1 rows a chunk is widened once
- * into an L1 scratch of floats, and blocks of ROWS rows (12 sums in registers) read it: on
- * Zen 3 the widening's shifts and shuffles share the vector pipes with the multiply-adds, and
- * widening per block of 4 rows held a prompt's product at ~105 GFLOP/s on 2 cores against
- * oneDNN's ~165 on float32 weights. One row (a decode step) goes
- * through GROUP panels at once instead: 2 GROUP independent chains of sums, so the adds' latency
- * does not bound the weight stream. Threads take contiguous runs of panels, one stream each for
- * the hardware prefetcher.
+ * meet x[r][k] broadcast in a fused multiply-add. K goes in chunks whose weights stay in L1 while
+ * every block of rows passes over them, so the weights come from memory once per call, and the
+ * next chunk is asked for while the first block works on this one (without that, every chunk
+ * waited on memory: 8 rows at ~85 GFLOP/s on 2 cores, now ~150). A block of R rows costs max(R,
+ * 4) cycles an input on Zen 3 (2 multiply-add pipes, 4 cycles of latency), so from 8 rows on the
+ * blocks hold 4 to 6 rows (12 sums in registers). Each block widens the pairs it reads in
+ * registers: a version that widened a chunk once into an L1 scratch of floats for all blocks
+ * measured no faster at 512 rows and slower at 9 to 96. One row (a decode step) goes through
+ * GROUP panels at once instead: 2 GROUP independent chains of sums, so the adds' latency does not
+ * bound the weight stream. Threads take contiguous runs of panels, one stream each for the
+ * hardware prefetcher.
  *
  * Every sum is float32 in input order whatever the number of rows, so a row's result does not
  * depend on its batch.
@@ -27,9 +28,8 @@
 
 #include "kernels_f32.h"
 
-#define SMALL 4           /* rows up to which a block widens in registers: 8 sums */
-#define ROWS 6            /* rows per block on a widened chunk: 12 sums in registers */
-#define CHUNK 256         /* inputs per chunk: 8 KB of a panel's bf16 weights, 16 KB widened */
+#define ROWS 6            /* most rows per block: 12 sums in registers */
+#define CHUNK 256         /* inputs per chunk: 8 KB of a panel's bf16 weights */
 #define GROUP 4           /* panels one row goes through at once */
 
 static inline __m256 widen_lo(__m256i w) { /* outputs 0-7: the lanes' low halves */
@@ -56,13 +56,15 @@ static inline __attribute__((always_inline)) void store_sums(float *acc, const i
 }
 
 /* Inputs [k0, k1) of rows [0, R) of x (rows ldx apart) times panel pp, added to acc (R rows of
- * 16 floats). R is a constant at each call site, so the sums stay in registers. */
+ * 16 floats). R is a constant at each call site, so the sums stay in registers. With `next`
+ * (the weights after these), asks for as many bytes of them on the way. */
 static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp, int64_t k0, int64_t k1,
                                                                 const float *x, int64_t ldx, const int R,
-                                                                float *acc) {
+                                                                float *acc, const char *next) {
     __m256 s[ROWS][2];
     load_sums(acc, R, s);
     for (int64_t k = k0; k < k1; k++) {
+        if (next && (k & 1) == 0) _mm_prefetch(next + 32 * (k - k0), _MM_HINT_T0);
         __m256i w = _mm256_loadu_si256((const __m256i *)(pp + 16 * k));
         __m256 lo = widen_lo(w), hi = widen_hi(w);
         for (int r = 0; r < R; r++) {
@@ -72,32 +74,6 @@ static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp,
         }
     }
     store_sums(acc, R, s);
-}
-
-/* Inputs [0, n) of rows [0, R) of x (rows ldx apart, from the chunk's first input) times the
- * chunk's widened weights wf[n][16], added to acc: fma_inputs' sums in the same order. */
-static inline __attribute__((always_inline)) void fma_widened(const float *wf, int64_t n, const float *x,
-                                                                 int64_t ldx, const int R, float *acc) {
-    __m256 s[ROWS][2];
-    load_sums(acc, R, s);
-    for (int64_t k = 0; k < n; k++) {
-        __m256 lo = _mm256_load_ps(wf + 16 * k), hi = _mm256_load_ps(wf + 16 * k + 8);
-        for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-            s[r][0] = _mm256_fmadd_ps(a, lo, s[r][0]);
-            s[r][1] = _mm256_fmadd_ps(a, hi, s[r][1]);
-        }
-    }
-    store_sums(acc, R, s);
-}
-
-/* Inputs [k0, k1) of panel pp widened into wf. */
-static void widen_chunk(const uint16_t *pp, int64_t k0, int64_t k1, float *wf) {
-    for (int64_t k = k0; k < k1; k++) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(pp + 16 * k));
-        _mm256_store_ps(wf + 16 * (k - k0), widen_lo(w));
-        _mm256_store_ps(wf + 16 * (k - k0) + 8, widen_hi(w));
-    }
 }
 
 /* One row x times panels [0, G) from pp (K inputs each) -> sums[G][16]. */
@@ -128,46 +104,29 @@ static void store_rows(const float *acc, int64_t rows, int64_t count, const floa
         for (int64_t o = 0; o < valid; o++) y[r * N + n0 + o] = acc[r * 16 * count + o] + (bias ? bias[n0 + o] : 0.0f);
 }
 
-/* Rows [0, M) of one panel (outputs n0 .. n0 + 15, those below N written) -> y; wf: CHUNK x 16
- * floats of scratch, 32-byte aligned. */
+/* Rows [0, M) of one panel (outputs n0 .. n0 + 15, those below N written) -> y. */
 static void panel_product(const uint16_t *pp, int64_t K, const float *x, int64_t M, const float *bias, float *y,
-                          int64_t N, int64_t n0, float *acc, float *wf) {
+                          int64_t N, int64_t n0, float *acc) {
     memset(acc, 0, sizeof(float) * 16 * (size_t)M);
+    /* Blocks of at most ROWS, as even as can be: from 8 rows on, each of 4 to 6 rows. */
+    int64_t blocks = (M + ROWS - 1) / ROWS;
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-        int64_t k1 = k0 + CHUNK < K ? k0 + CHUNK : K, n = k1 - k0;
-        if (M <= SMALL) {
-            switch (M) {
-            case 1: fma_inputs(pp, k0, k1, x, K, 1, acc); break;
-            case 2: fma_inputs(pp, k0, k1, x, K, 2, acc); break;
-            case 3: fma_inputs(pp, k0, k1, x, K, 3, acc); break;
-            default: fma_inputs(pp, k0, k1, x, K, SMALL, acc); break;
+        int64_t k1 = k0 + CHUNK < K ? k0 + CHUNK : K, r0 = 0;
+        const char *next = (const char *)(pp + 16 * k1); /* the next chunk, in this panel or the next */
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t R = (M - r0) / (blocks - b);
+            const float *xr = x + r0 * K;
+            float *ar = acc + 16 * r0;
+            switch (R) {
+            case 1: fma_inputs(pp, k0, k1, xr, K, 1, ar, next); break;
+            case 2: fma_inputs(pp, k0, k1, xr, K, 2, ar, next); break;
+            case 3: fma_inputs(pp, k0, k1, xr, K, 3, ar, next); break;
+            case 4: fma_inputs(pp, k0, k1, xr, K, 4, ar, next); break;
+            case 5: fma_inputs(pp, k0, k1, xr, K, 5, ar, next); break;
+            default: fma_inputs(pp, k0, k1, xr, K, ROWS, ar, next); break;
             }
-            continue;
-        }
-        widen_chunk(pp, k0, k1, wf);
-        /* Blocks of ROWS, then the last 0-5 rows as one block; a last 1 or 2 go with the block
-         * before as 4 + 3 or 4 + 4: a block of 1 or 2 rows has too few independent sums to keep
-         * both multiply-add pipes busy. */
-        int64_t tail = M % ROWS < 3 && M > ROWS ? M % ROWS + ROWS : M % ROWS, m0 = 0;
-        for (; m0 + tail < M; m0 += ROWS) fma_widened(wf, n, x + m0 * K + k0, K, ROWS, acc + 16 * m0);
-        const float *xr = x + m0 * K + k0;
-        float *ar = acc + 16 * m0;
-        switch (tail) {
-        case 3: fma_widened(wf, n, xr, K, 3, ar); break;
-        case 4: fma_widened(wf, n, xr, K, 4, ar); break;
-        case 5: fma_widened(wf, n, xr, K, 5, ar); break;
-        case 6: /* M % ROWS == 0: the last block is a whole one */
-            fma_widened(wf, n, xr, K, ROWS, ar);
-            break;
-        case 7:
-            fma_widened(wf, n, xr, K, 4, ar);
-            fma_widened(wf, n, xr + 4 * K, K, 3, ar + 64);
-            break;
-        case 8:
-            fma_widened(wf, n, xr, K, 4, ar);
-            fma_widened(wf, n, xr + 4 * K, K, 4, ar + 64);
-            break;
-        default: break; /* M <= SMALL never gets here */
+            next = NULL; /* asked for once */
+            r0 += R;
         }
     }
     store_rows(acc, M, 1, bias, y, N, n0);
@@ -198,12 +157,10 @@ void dolmus_bf16w_gemm_f32(const float *x, const uint16_t *packed, const float *
 #pragma omp parallel
     {
         float *acc = malloc(sizeof(float) * 16 * (size_t)M);
-        float *wf = aligned_alloc(32, sizeof(float) * 16 * CHUNK);
-        if (!acc || !wf) abort();
+        if (!acc) abort();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++)
-            panel_product(packed + p * K * 16, K, x, M, bias, y, N, p * 16, acc, wf);
+            panel_product(packed + p * K * 16, K, x, M, bias, y, N, p * 16, acc);
         free(acc);
-        free(wf);
     }
 }
