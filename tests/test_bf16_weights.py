@@ -20,13 +20,13 @@ def _weights(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=gen).bfloat16().float()  # a bf16 checkpoint's values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 70, 300])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (1152, 896), (24, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_float64_reference(rows: int, n: int, k: int, bias: bool) -> None:
     """Outputs past a whole panel, inputs past a chunk of 256 and odd counts, one row, one
-    block of 2 to 6 rows and every split into blocks of 3 to 6 (7 = 3 + 4, 13 = 4 + 4 + 5),
-    with and without a bias."""
+    block of 2 to 6 rows, every split into blocks of 3 to 6 (7 = 3 + 4, 13 = 4 + 4 + 5) and
+    rows past a stretch of 256, with and without a bias."""
     w = _weights(n, k, rows * n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=gen)

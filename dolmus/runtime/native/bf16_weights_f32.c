@@ -16,7 +16,8 @@
  * measured no faster at 512 rows and slower at 9 to 96. One row (a decode step) goes through
  * GROUP panels at once instead: 2 GROUP independent chains of sums, so the adds' latency does not
  * bound the weight stream. Threads take contiguous runs of panels, one stream each for the
- * hardware prefetcher.
+ * hardware prefetcher. Past STRETCH rows the panels are passed over once per stretch of rows,
+ * whose inputs then stay in L2 (2048 rows: gate/up 138 -> 154 GFLOP/s, down 132 -> 178).
  *
  * Every sum is float32 in input order whatever the number of rows, so a row's result does not
  * depend on its batch.
@@ -30,6 +31,7 @@
 
 #define ROWS 6            /* most rows per block: 12 sums in registers */
 #define CHUNK 256         /* inputs per chunk: 8 KB of a panel's bf16 weights */
+#define STRETCH 256       /* rows per pass over the panels: their chunks of inputs stay in L2 */
 #define GROUP 4           /* panels one row goes through at once */
 
 static inline __m256 widen_lo(__m256i w) { /* outputs 0-7: the lanes' low halves */
@@ -154,13 +156,17 @@ void dolmus_bf16w_gemm_f32(const float *x, const uint16_t *packed, const float *
         }
         return;
     }
+    int64_t stretch = M < STRETCH ? M : STRETCH;
 #pragma omp parallel
     {
-        float *acc = malloc(sizeof(float) * 16 * (size_t)M);
+        float *acc = malloc(sizeof(float) * 16 * (size_t)stretch);
         if (!acc) abort();
+        for (int64_t m0 = 0; m0 < M; m0 += stretch) {
+            int64_t rows = M - m0 < stretch ? M - m0 : stretch;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++)
-            panel_product(packed + p * K * 16, K, x, M, bias, y, N, p * 16, acc);
+            for (int64_t p = 0; p < panels; p++)
+                panel_product(packed + p * K * 16, K, x + m0 * K, rows, bias, y + m0 * N, N, p * 16, acc);
+        }
         free(acc);
     }
 }
