@@ -128,3 +128,18 @@ def test_a_core_that_fails_to_load_is_reported_not_waited_for() -> None:
     for _ in range(3):
         with pytest.raises(ValueError, match="exceeds the model's context length"):
             asyncio.run(start())
+
+
+def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(tmp_path: Path) -> None:
+    """The core process starts before the tokenizer loads, so their start-ups overlap: a
+    tokenizer that fails ends the start with its own error and leaves no core behind."""
+    import asyncio
+
+    from dolmus.config import EngineConfig
+    from dolmus.engine.core_client import EngineCoreClient
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    client = EngineCoreClient(EngineConfig(tokenizer=str(tmp_path)))
+    with pytest.raises(ValueError, match="tokenizer"):
+        asyncio.run(asyncio.wait_for(client.start(), 120))
+    assert _children(os.getpid()) == []

@@ -105,9 +105,7 @@ class EngineCoreClient:
     async def start(self) -> None:
         """Spawn the core and wait until its model is loaded; ValueError if it fails to load."""
         mc = ModelConfig.from_dir(self.config.model_path)
-        tokenizer = await asyncio.to_thread(
-            load_tokenizer, str(self.config.tokenizer or self.config.model_path)
-        )
+        # The core starts first: its imports and model load (seconds) overlap the tokenizer's.
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
@@ -123,6 +121,13 @@ class EngineCoreClient:
         self._proc.start()
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._watch, args=(loop,), name="dolmus-core-watch", daemon=True).start()
+        try:
+            tokenizer = await asyncio.to_thread(
+                load_tokenizer, str(self.config.tokenizer or self.config.model_path)
+            )
+        except BaseException:
+            await self.shutdown()
+            raise
         while True:
             msg = from_core_decoder.decode(await self._recv_or_death())
             if isinstance(msg, LoadFailed):
