@@ -37,8 +37,8 @@ def test_product_equals_float64_reference(rows: int, n: int, k: int, bias: bool)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
-    """Every row count splits its rows differently (one row, register blocks, widened blocks
-    and their rests): each row's outputs are the same bits as when it runs alone."""
+    """Every row count splits its rows differently (one row, one block, blocks of 3 to 6):
+    each row's outputs are the same bits as when it runs alone."""
     w, x = _weights(72, 600, 1), torch.randn(21, 600, generator=torch.Generator().manual_seed(2))
     packed = bf16_weights.pack(w)
     alone = torch.cat([bf16_weights.matmul(x[r : r + 1], packed, 72, None) for r in range(21)])

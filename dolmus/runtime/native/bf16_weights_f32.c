@@ -42,21 +42,6 @@ static inline __m256 widen_hi(__m256i w) { /* outputs 8-15: the lanes' high halv
     return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* R rows' 16 sums each between acc and registers (R a constant at each call site). */
-static inline __attribute__((always_inline)) void load_sums(const float *acc, const int R, __m256 s[][2]) {
-    for (int r = 0; r < R; r++) {
-        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
-        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
-    }
-}
-
-static inline __attribute__((always_inline)) void store_sums(float *acc, const int R, __m256 s[][2]) {
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
-        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
-    }
-}
-
 /* Inputs [k0, k1) of rows [0, R) of x (rows ldx apart) times panel pp, added to acc (R rows of
  * 16 floats). R is a constant at each call site, so the sums stay in registers. With `next`
  * (the weights after these), asks for as many bytes of them on the way. */
@@ -64,7 +49,10 @@ static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp,
                                                                 const float *x, int64_t ldx, const int R,
                                                                 float *acc, const char *next) {
     __m256 s[ROWS][2];
-    load_sums(acc, R, s);
+    for (int r = 0; r < R; r++) {
+        s[r][0] = _mm256_loadu_ps(acc + 16 * r);
+        s[r][1] = _mm256_loadu_ps(acc + 16 * r + 8);
+    }
     for (int64_t k = k0; k < k1; k++) {
         if (next && (k & 1) == 0) _mm_prefetch(next + 32 * (k - k0), _MM_HINT_T0);
         __m256i w = _mm256_loadu_si256((const __m256i *)(pp + 16 * k));
@@ -75,7 +63,10 @@ static inline __attribute__((always_inline)) void fma_inputs(const uint16_t *pp,
             s[r][1] = _mm256_fmadd_ps(a, hi, s[r][1]);
         }
     }
-    store_sums(acc, R, s);
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc + 16 * r, s[r][0]);
+        _mm256_storeu_ps(acc + 16 * r + 8, s[r][1]);
+    }
 }
 
 /* One row x times panels [0, G) from pp (K inputs each) -> sums[G][16]. */
