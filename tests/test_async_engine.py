@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -124,3 +125,32 @@ def test_request_list_shows_running_and_waiting_sequences() -> None:
             await engine.shutdown()
 
     assert asyncio.run(through_the_step_thread()) == ["running"]
+
+
+def test_a_request_the_step_thread_took_in_counts_once_as_waiting() -> None:
+    """Admission control (--max-waiting) reads num_waiting on the event loop while the step
+    thread takes requests in: each waiting sequence counts once, however the two interleave."""
+    from dolmus.config import EngineConfig
+
+    async def run() -> list[int]:
+        engine = AsyncEngine(Engine(EngineConfig(max_num_seqs=1)))  # one seat: "b" waits
+        engine.start()
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        try:
+            a = engine.generate("a", [1, 2, 3], params)
+            await a.__anext__()  # "a" holds the seat
+            b = asyncio.create_task(_final(engine, "b", [4, 5, 6], params))
+            await asyncio.sleep(0)  # b's generate body runs: it is pending
+            seen = [engine.num_waiting]
+            # the loop blocked (as under a burst of HTTP work) while the step thread takes b in
+            # and steps on; whatever it has done by each read, b counts once
+            for _ in range(5):
+                time.sleep(0.05)
+                seen.append(engine.num_waiting)
+            b.cancel()
+            await a.aclose()
+            return seen
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == [1] * 6

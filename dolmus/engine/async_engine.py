@@ -83,6 +83,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._pending_adds = 0  # added on the event loop, not yet seen by the step thread
         self._stats = engine.stats()
+        # The step thread takes its snapshot of the engine and stops counting the adds it
+        # applied as pending in one move: done apart (the uncount a callback on the loop), a
+        # request the snapshot already counted was counted twice meanwhile, and admission
+        # control refused a request with one sequence waiting under --max-waiting 2.
+        self._count_lock = threading.Lock()
         self._error: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -118,7 +123,8 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting for a seat, including those added since the latest step."""
-        return self._stats.num_waiting + self._pending_adds
+        with self._count_lock:
+            return self._stats.num_waiting + self._pending_adds
 
     # -- requests -------------------------------------------------------------------------
 
@@ -140,7 +146,8 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._pending_adds += params.n
+        with self._count_lock:
+            self._pending_adds += params.n
         self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic()))
 
         def leave(finished: bool) -> None:
@@ -226,9 +233,10 @@ class AsyncEngine:
             elif isinstance(item, _ResetPrefixCache):
                 self._call_soon(_resolve, item.future, self.engine.reset_prefix_cache())
         if items:
-            # The snapshot now counts the new requests, so the event loop may stop counting them.
-            self._stats = self.engine.stats()
-            self._call_soon(self._added, added)
+            # The snapshot now counts the new requests, so they stop counting as pending.
+            with self._count_lock:
+                self._stats = self.engine.stats()
+                self._pending_adds -= added
         if errors:
             self._call_soon(self._deliver, [], errors)
         return True
@@ -242,9 +250,6 @@ class AsyncEngine:
                 pass
 
     # -- back on the event loop -----------------------------------------------------------
-
-    def _added(self, n: int) -> None:
-        self._pending_adds -= n
 
     def _deliver(self, outputs: list[RequestOutput], errors: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
