@@ -22,9 +22,9 @@ SPLIT = ("--engine-core", "process")
 
 
 def _children(pid: int) -> list[int]:
-    """Spawned multiprocessing children (not the resource tracker) of a process."""
+    """The engine cores (by the name they give themselves) among a process's children."""
     kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return [k for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "dolmus-core"]
 
 
 def _completions(server: RemoteServer) -> list[str]:

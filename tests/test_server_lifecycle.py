@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +50,23 @@ def test_model_that_fails_to_load_exits_1() -> None:
     )
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr
+
+
+def test_a_taken_port_ends_the_server_and_its_engine_core() -> None:
+    """The core starts before the HTTP server binds: when the port is taken, both go, in
+    bounded time (a core left running once held the exit up for good)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = subprocess.run(
+            [sys.executable, "-m", "dolmus.cli", "serve", "--host", "127.0.0.1", "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode != 0 and "address already in use" in proc.stderr
+    assert "model failed to load" not in proc.stderr  # it was stopped, not broken
 
 
 def test_bad_chat_template_flag_exits_2() -> None:

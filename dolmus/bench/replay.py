@@ -20,7 +20,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -30,11 +30,11 @@ from dolmus.bench.report import text_table, write_outputs
 from dolmus.bench.stats import parse_slo, summarize, summarize_tiers
 from dolmus.config import EngineConfig, TierSpec
 from dolmus.config.server import PRIORITY_TIERS
-from dolmus.engine.async_engine import AsyncEngine
-from dolmus.engine.engine import Engine
-from dolmus.engine.tokenizing import load_tokenizer
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.access import parse_tiers, scheduling_specs
+
+if TYPE_CHECKING:
+    from dolmus.engine.async_engine import AsyncEngine
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -102,6 +102,10 @@ async def replay_engine(
     config: ReplayConfig, model: str | None, requests: list[BenchRequest], speed: float = 1.0
 ) -> tuple[list[RequestResult], float]:
     """Replay `requests` at their timestamps against a fresh engine built from `config`."""
+    # the engine's modules only here: `dolmus` builds this command's parser on every start
+    from dolmus.engine.async_engine import AsyncEngine
+    from dolmus.engine.engine import Engine
+
     engine = AsyncEngine(await asyncio.to_thread(Engine, config.engine_config(model)))
     engine.start()
     counter = itertools.count()
@@ -144,6 +148,8 @@ async def _generate(engine: AsyncEngine, n: int, req: BenchRequest, config: Repl
 
 def trace_requests(path: str, model: str | None) -> list[BenchRequest]:
     """The trace with made-up prompts as exact token ids (in-process, no re-tokenizing)."""
+    from dolmus.engine.tokenizing import load_tokenizer
+
     tokenizer = load_tokenizer(str(EngineConfig(model=model).model_path))
     maker = PromptMaker(tokenizer)
     requests = load_trace(path, maker)

@@ -53,6 +53,11 @@ class ServerConfig:
     # removed at exit, so unfinished jobs do not survive a restart.
     batch_dir: str | None = None
 
+    @property
+    def one_core_process(self) -> bool:
+        """The engine runs as one core process (not on a thread, not as replicas)."""
+        return self.engine_core == "process" and self.data_parallel_size == 1
+
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")

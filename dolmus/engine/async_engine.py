@@ -20,12 +20,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dolmus.engine.engine import Engine
 from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.outputs import RequestOutput
 from dolmus.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server's front end uses this module's helpers without the engine's imports
+    from dolmus.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,7 +23,7 @@ import zmq.asyncio
 from dolmus.config import EngineConfig, ModelConfig
 from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import EngineDeadError, stream_outputs
-from dolmus.engine.core_proc import run_engine_core
+from dolmus.engine.core_launch import CoreLaunch, launch_core
 from dolmus.engine.core_protocol import (
     AbortRequest,
     AddRequest,
@@ -76,18 +73,17 @@ class EngineCoreClient:
         on_finished: OutputHook | None = None,
         cpus: list[int] | None = None,
         visible_gpus: str | None = None,
+        launched: CoreLaunch | None = None,
     ) -> None:
-        """`cpus`, `visible_gpus`: the core's share of the host (a data-parallel replica's)."""
+        """`cpus`, `visible_gpus`: the core's share of the host (a data-parallel replica's).
+        `launched`: a core already started for `config` (core_launch.py), taken over here."""
         self.config = config
         self._on_finished = on_finished
         self._placement = (cpus, visible_gpus)
-        self._dir = tempfile.mkdtemp(prefix="dolmus-core-")
+        self._launch = launched
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PUSH)  # to the core
-        self._inbox.bind(f"ipc://{self._dir}/inbox")
         self._outbox = self._ctx.socket(zmq.PULL)  # from the core
-        self._outbox.bind(f"ipc://{self._dir}/outbox")
-        self._proc: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_adds = 0
@@ -105,36 +101,29 @@ class EngineCoreClient:
     async def start(self) -> None:
         """Spawn the core and wait until its model is loaded; ValueError if it fails to load."""
         mc = ModelConfig.from_dir(self.config.model_path)
-        # The core starts first: its imports and model load (seconds) overlap the tokenizer's.
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(
-                self.config,
-                f"ipc://{self._dir}/inbox",
-                f"ipc://{self._dir}/outbox",
-                logging.root.level,
-                *self._placement,
-            ),
-            name="dolmus-engine-core",
-        )
-        self._proc.start()
+        # The core starts first (if it was not started already): its imports and model load
+        # (seconds) overlap the tokenizer's. It connects to these sockets whenever it gets there.
+        if self._launch is None:
+            self._launch = launch_core(self.config, *self._placement)
+        self._inbox.bind(self._launch.inbox)
+        self._outbox.bind(self._launch.outbox)
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._watch, args=(loop,), name="dolmus-core-watch", daemon=True).start()
         try:
             tokenizer = await asyncio.to_thread(
                 load_tokenizer, str(self.config.tokenizer or self.config.model_path)
             )
+            while True:
+                msg = from_core_decoder.decode(await self._recv_or_death())
+                if isinstance(msg, LoadFailed):
+                    raise ValueError(msg.message)
+                if isinstance(msg, Ready):
+                    break
         except BaseException:
-            await self.shutdown()
+            # a failed load, or the server stopping meanwhile (the port was taken): the core
+            # goes too (left running, a non-daemon child held the exit up forever)
+            await asyncio.shield(self.shutdown())
             raise
-        while True:
-            msg = from_core_decoder.decode(await self._recv_or_death())
-            if isinstance(msg, LoadFailed):
-                await self.shutdown()
-                raise ValueError(msg.message)
-            if isinstance(msg, Ready):
-                break
         self._stats = msg.stats
         backend = self.config.structured_output_backend
         grammars = GrammarCache(lambda: make_backend(backend, tokenizer, mc.vocab_size, mc.eos_token_ids))
@@ -149,8 +138,8 @@ class EngineCoreClient:
                 raise ValueError(f"the engine core exited while loading: {self._error}")
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        proc = self._proc
-        assert proc is not None
+        assert self._launch is not None
+        proc = self._launch.proc
         proc.join()
         if self._closing:
             return
@@ -166,7 +155,7 @@ class EngineCoreClient:
         self._closing = True
         if self._reader is not None:
             self._reader.cancel()
-        proc = self._proc
+        proc = self._launch.proc if self._launch is not None else None
         if proc is not None and proc.is_alive():
             try:
                 # bounded: a core that is exiting (it failed to load) has no peer left for a
@@ -182,7 +171,8 @@ class EngineCoreClient:
         self._inbox.close(linger=0)
         self._outbox.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._launch is not None:
+            self._launch.stop()  # the folder of the sockets (the process is gone by now)
 
     @property
     def is_running(self) -> bool:

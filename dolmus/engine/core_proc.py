@@ -38,7 +38,7 @@ from dolmus.engine.core_protocol import (
 )
 from dolmus.engine.engine import Engine
 from dolmus.engine.request_group import RequestGroup
-from dolmus.executor.worker import die_with_parent
+from dolmus.executor.worker import die_with_parent, name_process
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def run_engine_core(
     if visible_gpus is not None:  # before anything touches CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
     die_with_parent()  # the API server's exit takes the core (and the model's memory) along
+    name_process("dolmus-core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C and SIGTERM are the API server's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()

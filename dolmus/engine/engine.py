@@ -22,7 +22,7 @@ from dolmus.engine.kv_cache import KVCacheManager
 from dolmus.engine.kv_events import make_publisher
 from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
 from dolmus.engine.request import Request, RequestStatus
-from dolmus.engine.request_group import RequestGroup
+from dolmus.engine.request_group import CHILD_SEP, RequestGroup
 from dolmus.engine.scheduler import Scheduler, SchedulerOutput, step_token_ceiling
 from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.engine.tokenizing import load_tokenizer, tokenize_prompt
@@ -37,8 +37,6 @@ from dolmus.step import StepPlan, StepResult
 from dolmus.structured.backend import GrammarCache, make_backend, step_bitmask
 
 logger = logging.getLogger(__name__)
-
-CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
 
 
 class Engine:

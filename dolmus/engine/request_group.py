@@ -11,6 +11,8 @@ from dolmus.engine.output_delta import CompletionDelta, OutputDelta
 from dolmus.engine.request import Request
 from dolmus.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
+CHILD_SEP = "#"  # sequence ids are f"{request_id}#{i}" when n > 1
+
 
 @dataclass
 class RequestGroup:

@@ -18,7 +18,6 @@ from typing import Any
 
 from dolmus.bench.report import _save
 from dolmus.config import EngineConfig
-from dolmus.evaluate.runner import run_model
 from dolmus.evaluate.tasks import load_tasks, wilson
 
 
@@ -102,6 +101,8 @@ def _plot(path: Path, models: list[dict[str, Any]]) -> Path:
 
 
 def run_eval(args: argparse.Namespace, base: EngineConfig) -> int:
+    from dolmus.evaluate.runner import run_model  # the engine: not on every `dolmus` start
+
     tasks = load_tasks(args.tasks)
     specs = [("A", base)] + [(s, _spec_config(base, s)) for s in args.compare]
     results, models = [], []

@@ -23,6 +23,7 @@ from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
 from dolmus.step import decode_plan, encode
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent() -> None:
@@ -30,6 +31,16 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def name_process(name: str) -> None:
+    """Linux: the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), so a process
+    started by fork is told from its parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
         except OSError:
             pass
 

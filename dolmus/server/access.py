@@ -37,6 +37,7 @@ most urgent tier at least as lax as it (so the label set stays the tiers file's)
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 import os
@@ -49,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from dolmus.config import TierSpec, check_tiers
+from dolmus.config import EngineConfig, TierSpec, check_tiers
 from dolmus.config.server import PRIORITY_TIERS
 
 
@@ -195,6 +196,11 @@ class AccessPolicy:
 
     def engine_tiers(self) -> tuple[TierSpec, ...]:
         return scheduling_specs(self.tiers)
+
+    def engine_config_for(self, config: EngineConfig) -> EngineConfig:
+        """The engine config with the tiers file's reservations and rules for the scheduler
+        (kept where the config names tiers of its own)."""
+        return config if config.tier_specs else dataclasses.replace(config, tier_specs=self.engine_tiers())
 
     def tier_of(self, priority: int) -> Tier:
         """The tier a request of this priority is counted in: the most urgent one at least as

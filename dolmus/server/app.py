@@ -29,8 +29,8 @@ from dolmus.config import EngineConfig
 from dolmus.config.server import ServerConfig
 from dolmus.engine.async_engine import AsyncEngine
 from dolmus.engine.core_client import EngineCoreClient
+from dolmus.engine.core_launch import CoreLaunch
 from dolmus.engine.data_parallel import DataParallelClient
-from dolmus.engine.engine import Engine
 from dolmus.engine.metrics import CONTENT_TYPE, EngineMetrics
 from dolmus.outputs import RequestOutput
 from dolmus.runtime.cpu_profile import cpu_profile
@@ -67,15 +67,17 @@ _LIST_TIMEOUT_S = 10.0  # the running-requests list waits at most a step or two 
 class ServerState:
     """What the routes need, filled in once the model has loaded."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, server_config: ServerConfig, launched: CoreLaunch | None = None
+    ) -> None:
+        """`launched`: the engine core, started already (launcher.py) for this config."""
         self.server_config = server_config
         self.names = ModelNames.for_model(engine_config.model, server_config.served_model_name)
         self.model_name = self.names.served
         self.chat_template = server_config.load_chat_template()  # fail before loading a model
         self.access = AccessPolicy.build(server_config.tiers, server_config.api_key)
-        if not engine_config.tier_specs:  # the tiers file's reservations and rules, to the scheduler
-            engine_config = dataclasses.replace(engine_config, tier_specs=self.access.engine_tiers())
-        self.engine_config = engine_config
+        self.engine_config = self.access.engine_config_for(engine_config)
+        self._launched = launched
         self.engine: AsyncEngine | EngineCoreClient | DataParallelClient | None = None
         self.serving: Serving | None = None
         self.embeddings: OpenAIEmbeddings | None = None
@@ -124,13 +126,20 @@ class ServerState:
                     self.engine_config, replicas, on_finished=self._observe_finished
                 )
                 await engine.start()
-            elif self.server_config.engine_core == "process":
-                engine = EngineCoreClient(self.engine_config, on_finished=self._observe_finished)
+            elif self.server_config.one_core_process:
+                engine = EngineCoreClient(
+                    self.engine_config, on_finished=self._observe_finished, launched=self._launched
+                )
                 await engine.start()
             else:
+                from dolmus.engine.engine import Engine  # in this process only on a thread
+
                 local = await asyncio.to_thread(Engine, self.engine_config, True)
                 engine = AsyncEngine(local, on_finished=self._observe_finished)
                 engine.start()
+        except asyncio.CancelledError:
+            logger.info("stopped before the model finished loading")
+            raise
         except BaseException as exc:
             self.load_error = exc
             logger.error("model failed to load: %s", exc)
@@ -232,8 +241,10 @@ class ServerState:
         return self.serving
 
 
-def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
-    state = ServerState(engine_config, server_config)
+def build_app(
+    engine_config: EngineConfig, server_config: ServerConfig, launched: CoreLaunch | None = None
+) -> FastAPI:
+    state = ServerState(engine_config, server_config, launched)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

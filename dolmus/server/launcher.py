@@ -8,6 +8,9 @@ Stopping the engine waits for its step thread, which finishes the step it is in 
 aborts everything still queued: with a huge backlog that can take minutes. So the first
 signal also arms a hard deadline, drain timeout plus SHUTDOWN_GRACE_S, after which the
 process logs why and exits 0 at once, whatever the engine thread is doing.
+
+The engine core process (the default) is started before the HTTP server's modules are
+imported: its imports and model load overlap theirs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import uvicorn
 
 from dolmus.config import EngineConfig
 from dolmus.config.server import ServerConfig
-from dolmus.server.app import build_app
+from dolmus.engine.core_launch import CoreLaunch, launch_core
+from dolmus.server.access import AccessPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,22 @@ def _exit_now(deadline_s: float) -> None:
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until stopped; the exit status (1 if the model failed to load)."""
-    app = build_app(engine_config, server_config)
+    access = AccessPolicy.build(server_config.tiers, server_config.api_key)
+    engine_config = access.engine_config_for(engine_config)  # what the core runs, tiers and all
+    # first of all: the core boots while this process imports the HTTP server (and nothing
+    # runs here yet, so it may be forked)
+    launched = launch_core(engine_config, may_fork=True) if server_config.one_core_process else None
+    try:
+        return _serve_http(engine_config, server_config, launched)
+    finally:
+        if launched is not None:
+            launched.stop()  # a no-op once the server's client has stopped it
+
+
+def _serve_http(engine_config: EngineConfig, server_config: ServerConfig, launched: CoreLaunch | None) -> int:
+    from dolmus.server.app import build_app  # seconds of imports, while the core boots
+
+    app = build_app(engine_config, server_config, launched)
     config = uvicorn.Config(
         app,
         host=server_config.host,

@@ -32,7 +32,7 @@ from dolmus.engine.admission import RequestRefused
 from dolmus.engine.async_engine import AsyncEngine, EngineDeadError
 from dolmus.engine.core_client import EngineCoreClient
 from dolmus.engine.data_parallel import DataParallelClient
-from dolmus.engine.engine import CHILD_SEP
+from dolmus.engine.request_group import CHILD_SEP
 from dolmus.outputs import CompletionOutput, RequestOutput
 from dolmus.sampling_params import SamplingParams
 from dolmus.server.access import Client, QuotaExceeded, charge
