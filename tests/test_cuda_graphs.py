@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent(
     folder = build_model_dir({arch!r}, Path({root!r}))
     prompts = random_prompts(lengths=(1, 5, 17, 33, 9), seed=0)
     # different lengths: the batch shrinks 5 -> 1 as requests end, so steps replay padded sizes
-    lengths = [3, 7, 12, 16, 5]
+    lengths = [2, 4, 7, 9, 3]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     want = [hf_greedy(folder, p, n) for p, n in zip(prompts, lengths)]
 
@@ -81,7 +81,8 @@ SCRIPT = textwrap.dedent(
     got, runner = tokens(attention_backend="triton")
     graphs = runner.fused_decoder
     assert isinstance(graphs, CudaGraphDecoder), graphs
-    assert graphs.sizes == [1, 2, 4, 6] and graphs.replays == 30, (graphs.sizes, graphs.replays)
+    # a replay per decode step (8 per generate): 5 rows (padded to 6), 4, 3 (padded to 4), 2, 1
+    assert graphs.sizes == [1, 2, 4, 6] and graphs.replays == 16, (graphs.sizes, graphs.replays)
     # a real graph holds raw addresses: every tensor made for its metadata before capture must
     # stay referenced by the decoder (a freed one was an illegal memory access on the GPU)
     import gc, weakref
@@ -97,7 +98,7 @@ SCRIPT = textwrap.dedent(
     # async scheduling: decode inputs read the last step's tokens on the device, in the graph
     ahead, runner = tokens(attention_backend="triton", async_scheduling=True)
     assert runner.fused_decoder.last_sampled is runner.inflight.device_buffer
-    assert runner.fused_decoder.replays >= 30 and ahead == want, (ahead, want)
+    assert runner.fused_decoder.replays >= 16 and ahead == want, (ahead, want)
     eager, runner = tokens(attention_backend="triton", enforce_eager=True)
     assert runner.fused_decoder is None and eager == want
     # a quantized cache read in the kernel with its scales: the same tokens as the torch backend
