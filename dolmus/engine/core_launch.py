@@ -39,7 +39,8 @@ class CoreLaunch:
         return f"ipc://{self.dir}/outbox"
 
     def stop(self) -> None:
-        """Kill a core no client took over (the server failed before its lifespan ran)."""
+        """Kill the core if it still runs and remove its sockets' folder: the client's last step
+        on shutdown, or the server's for a core no client took over (the port was taken)."""
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)

@@ -26,23 +26,24 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent goes (no orphans holding memory)."""
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's prctl on this process; elsewhere (or without glibc) nothing."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
         except OSError:
             pass
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent goes (no orphans holding memory)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def name_process(name: str) -> None:
     """Linux: the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), so a process
     started by fork is told from its parent."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
-        except OSError:
-            pass
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def _load(spec: RunnerSpec, at: RankPlacement) -> ModelRunner:
