@@ -16,6 +16,7 @@ from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.native import ops as native_ops
+from conftest import build_model_dir
 from helpers import greedy, random_prompts, run_tokens
 
 needs_avx2 = pytest.mark.skipif(
@@ -110,6 +111,107 @@ def test_decode_attention_f32_splits_long_sequences_by_length_alone(window: int)
             q[one], cache.data[0], cache.data[1], block_ids[one], lengths[one], alone, *args[3:]
         )
         assert torch.equal(alone[0], out[i]), i
+
+
+def _paged_prompts(
+    lens: list[int], contexts: list[int], heads: int, kv_heads: int, head_dim: int, seed: int
+) -> tuple[PagedKV, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float32 cache holding each sequence's context and chunk in scattered blocks, its block
+    table (a slice of a wider one, as the runner's are), the chunks' first tokens, and their
+    queries (a strided view beside their keys, as attention layers pass them)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = 16
+    blocks = [-(-(c + n) // bs) for n, c in zip(lens, contexts)]
+    cache = PagedKV(sum(blocks) * bs + 4 * bs, kv_heads, head_dim, bs, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    order = torch.randperm(cache.data.shape[1] // bs, generator=gen)
+    table = torch.zeros(len(lens), max(blocks) + 3, dtype=torch.int64)
+    used = 0
+    for i, b in enumerate(blocks):
+        table[i, :b] = order[used : used + b]
+        used += b
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    qk = torch.randn(sum(lens), heads + kv_heads, head_dim, generator=gen) * 3  # peaked scores
+    return cache, table[:, : max(blocks)], starts, qk[:, :heads]
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(14, 2, 64), (4, 4, 128), (9, 3, 64), (4, 1, 32), (8, 2, 16), (2, 2, 256)],
+)
+def test_prefill_attention_f32_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim) -> None:
+    """Chunks with and without cached context, short and long (several key blocks of 128, a
+    partial block of rows), all in one call, against float64 SDPA over the gathered blocks."""
+    lens, contexts = [1, 5, 16, 17, 40, 130, 300], [0, 30, 0, 3, 100, 17, 250]
+    cache, table, starts, q = _paged_prompts(lens, contexts, heads, kv_heads, head_dim, heads * head_dim)
+    out = torch.full((sum(lens), heads, head_dim), float("nan"))
+    args = (starts, torch.tensor(lens), torch.tensor(contexts), out, 16, head_dim**-0.5)
+    assert native_ops.prefill_attention(q, cache.data[0], cache.data[1], table, *args)
+    group = heads // kv_heads
+    for i, (n, ctx) in enumerate(zip(lens, contexts)):
+        s, total = int(starts[i]), ctx + n
+        keys = cache.blocks(0, table[i])[:total].double().transpose(0, 1).repeat_interleave(group, 0)
+        values = cache.blocks(1, table[i])[:total].double().transpose(0, 1).repeat_interleave(group, 0)
+        expected = F.scaled_dot_product_attention(
+            q[s : s + n].double().transpose(0, 1),
+            keys,
+            values,
+            attn_mask=torch.ones(n, total, dtype=torch.bool).tril(ctx),
+            scale=head_dim**-0.5,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[s : s + n].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+def test_prefill_attention_f32_gives_a_row_the_same_bits_however_its_prompt_is_chunked() -> None:
+    """A 300-token prompt whole, then as chunks of 37 (each reading the chunks before it from
+    the cache) beside another sequence: every row bit for bit the same."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    cache, table, _, q = _paged_prompts([300, 50], [0, 20], heads, kv_heads, head_dim, 7)
+    whole = torch.full((300, heads, head_dim), float("nan"))
+    one = (table[:1], torch.tensor([0]), torch.tensor([300]), torch.tensor([0]))
+    assert native_ops.prefill_attention(q[:300], cache.data[0], cache.data[1], *one, whole, 16, 0.125)
+    for c0 in range(0, 300, 37):
+        n = min(37, 300 - c0)
+        part = torch.full((n + 50, heads, head_dim), float("nan"))
+        rows = torch.cat([q[c0 : c0 + n], q[300:]])
+        chunked = (table, torch.tensor([0, n]), torch.tensor([n, 50]), torch.tensor([c0, 20]))
+        assert native_ops.prefill_attention(rows, cache.data[0], cache.data[1], *chunked, part, 16, 0.125)
+        assert torch.equal(part[:n], whole[c0 : c0 + n]), c0
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide"])
+def test_native_prefills_in_float32_agree_with_sdpa_and_do_not_depend_on_chunking(arch, model_root) -> None:
+    """The native backend's float32 prefills (prefill_attention_f32.c) against the torch
+    backend's (SDPA): prompt logprobs of whole prompts and of chunks reading cached context."""
+    folder = str(build_model_dir(arch, model_root))
+    ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = LLM(model=folder, dtype="float32", attention_backend="native").engine
+    theirs = LLM(model=folder, dtype="float32", attention_backend="torch").engine
+    whole = ours.prompt_logprobs(ids)
+    assert torch.equal(ours.prompt_logprobs(ids, chunk_size=37), whole)
+    torch.testing.assert_close(whole, theirs.prompt_logprobs(ids), rtol=0, atol=1e-4)
+
+
+@needs_avx2
+def test_exp_of_the_f32_kernels_holds_over_the_whole_range() -> None:
+    """silu(gate) * up through exp_ps (exp_avx2.h) for gates from -100 to 100: within 4 ulp of
+    float64 while e^-gate is a normal float, within 1e-30 of it past that (exp_ps clamps its
+    input at +-88.38), and NaN for a NaN gate."""
+    gate = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([float("nan")])])
+    x = torch.stack([torch.cat([gate, torch.full_like(gate, 1.5)]), torch.cat([gate, -gate])])
+    got = native_ops.silu_and_mul(x).double()
+    g, up = x.double().split(gate.numel(), dim=1)
+    expected = F.silu(g) * up
+    assert torch.equal(got.isnan(), expected.isnan()) and bool(got[:, -1].isnan().all())
+    inside = (g.abs() < 87) & (expected != 0)
+    torch.testing.assert_close(got[inside], expected[inside], rtol=4 * 2**-23, atol=0)
+    outside = (g.abs() >= 87) & (g < 0)
+    assert float((got[outside] - expected[outside]).abs().max()) < 1e-30
+    large = g >= 87
+    torch.testing.assert_close(got[large], expected[large], rtol=2**-23, atol=0)
 
 
 @needs_avx2

@@ -1,15 +1,17 @@
 """The torch backend with decodes on our C kernel (bf16 on an AVX-512 BF16 CPU, float32 on an
-AVX2 one), and bf16 prefills on our C kernel too (AMX tiles, else vdpbf16ps on AVX-512 BF16).
+AVX2 one), and prefills on our C kernel too (bf16: AMX tiles, else vdpbf16ps on AVX-512 BF16;
+float32: AVX2 and FMA).
 
 The decode kernel (runtime/native/layer_kernels.c, layer_kernels_f32.c) reads each sequence's
 blocks of a plain cache in place: no gathers, no padding, one call per decode group (~3x faster
-than gather + SDPA at batch 1, ~5x at 32 sequences). The prefill kernel (prefill_attention.c)
-takes every prompt chunk of the step in one call, also from the cache in place, so a prefix hit
-attends to its cached blocks without gathering them (benchmarks/prefill_attention.py: ~2x SDPA
-at 128 tokens on AMX, 4-7x at 128-4,096 tokens on an AVX-512 BF16 CPU without AMX).
-The decode kernel takes a sliding window (it reads only the window's positions); the prefill
-kernel does not, so chunks a window cuts go through SDPA, as do quantized caches and shapes the
-kernels do not take, as in the torch backend.
+than gather + SDPA at batch 1, ~5x at 32 sequences). The prefill kernels (prefill_attention.c,
+prefill_attention_f32.c) take every prompt chunk of the step in one call, also from the cache in
+place, so a prefix hit attends to its cached blocks without gathering them
+(benchmarks/prefill_attention.py: ~2x SDPA at 128 tokens on AMX, 4-7x at 128-4,096 tokens on an
+AVX-512 BF16 CPU without AMX; in float32 on an AVX2-only CPU 2.4x at 128 tokens, 1.4-1.5x for
+2,048-4,096 tokens in chunks of 512). The decode kernel takes a sliding window (it reads only
+the window's positions); the prefill kernels do not, so chunks a window cuts go through SDPA,
+as do quantized caches and shapes the kernels do not take, as in the torch backend.
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ from dolmus.runtime.attention.torch_sdpa import (
 from dolmus.runtime.native import ops as native_ops
 
 
+def _prefill_library(dtype: torch.dtype) -> object | None:
+    """The library with a prefill kernel for `dtype`, where this CPU runs it."""
+    if dtype == torch.bfloat16:
+        return native.library()
+    return native.avx2_library() if dtype == torch.float32 else None
+
+
+def _prefill_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    if dtype == torch.bfloat16:
+        return head_dim % 32 == 0 and head_dim <= 128
+    return head_dim % 16 == 0
+
+
 @register_backend
 class NativeCPUBackend(TorchSDPABackend):
     name = "native"
@@ -36,12 +51,7 @@ class NativeCPUBackend(TorchSDPABackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> SDPAMetadata:
         meta = super().build_metadata(layout, device, dtype)
         nd = layout.num_decodes
-        if (
-            meta.prefills
-            and dtype == torch.bfloat16
-            and device.type == "cpu"
-            and native.library() is not None
-        ):
+        if meta.prefills and device.type == "cpu" and _prefill_library(dtype) is not None:
             lens, contexts = layout.query_lens[nd:], layout.context_lens[nd:]
             blocks = -(-int((contexts + lens).max()) // layout.block_size)
             meta.prefill_table = PrefillTable(
@@ -68,9 +78,8 @@ class NativeCPUBackend(TorchSDPABackend):
             table is not None
             and prefills is meta.prefills  # no chunk cut by a sliding window (the kernel has none)
             and type(kv_cache) is PagedKV  # not a quantized cache
-            and q.dtype == kv_cache.data.dtype == torch.bfloat16
-            and head_dim % 32 == 0
-            and head_dim <= 128
+            and q.dtype == kv_cache.data.dtype
+            and _prefill_kernel_takes(q.dtype, head_dim)
             and q.stride(2) == 1
             and q.stride(1) == head_dim
             and native_ops.prefill_attention(

@@ -121,7 +121,13 @@ _AVX512 = _Spec(
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
-    ("block_kernels.c", "layer_kernels_f32.c", "bf16_weights_f32.c", "decode_step_f32.c"),
+    (
+        "block_kernels.c",
+        "layer_kernels_f32.c",
+        "bf16_weights_f32.c",
+        "decode_step_f32.c",
+        "prefill_attention_f32.c",
+    ),
     ("avx2", "fma", "f16c"),
     {
         "dolmus_q4_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -143,8 +149,13 @@ _AVX2 = _Spec(
         "dolmus_bf16w_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         # as dolmus_decode_step
         "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        # as dolmus_prefill_attention, in float32
+        "dolmus_prefill_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
+        + [_ptr, _i64]
+        + [_i64] * 4
+        + [_f32],
     },
-    headers=("kernels_f32.h",),
+    headers=("kernels_f32.h", "exp_avx2.h"),
 )
 LIBRARIES = (_AVX512, _AVX2)
 # every other kernel returns nothing
@@ -152,6 +163,7 @@ _RETURNS = {
     "dolmus_amx_ready": ctypes.c_int,
     "dolmus_amx_quant_usable": ctypes.c_int,
     "dolmus_prefill_attention": ctypes.c_int,
+    "dolmus_prefill_attention_f32": ctypes.c_int,
 }
 # Loops start on 64-byte lines: the one-row weight stream's loop ran ~12% slower (decode at one
 # user 23 -> 26-27 ms per token) after an unrelated edit elsewhere in the same function moved it.

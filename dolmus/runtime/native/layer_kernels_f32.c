@@ -2,8 +2,8 @@
  * CPUs with AVX2 and FMA: layer_kernels.c's functions for CPUs without AVX-512 BF16, where
  * models run in float32 (and GGUF weights on block_kernels.c).
  *
- * Same arithmetic as PyTorch's float32 ops up to the order of float sums (and expf against
- * PyTorch's own exp). Each call replaces three to six small PyTorch ops per layer and token.
+ * Same arithmetic as PyTorch's float32 ops up to the order of float sums (and expf or exp_ps
+ * against PyTorch's own exp). Each call replaces three to six small PyTorch ops per layer and token.
  */
 #include <math.h>
 #include <stdint.h>
@@ -11,6 +11,7 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "exp_avx2.h"
 #include "kernels_f32.h"
 
 static inline float hsum8(__m256 v) {
@@ -44,13 +45,21 @@ void dolmus_rms_norm_f32(const float *x, const float *weight, float *out, int64_
     }
 }
 
-/* out = silu(gate) * up. x: [rows][2 * cols] (gate, then up); out: [rows][cols]. */
+/* out = silu(gate) * up. x: [rows][2 * cols] (gate, then up); out: [rows][cols]. Eight at a
+ * time on exp_ps (a 2,048-token prompt of a 0.5B model spent ~4% of its time here on expf). */
 void dolmus_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * cols, *up = gate + cols;
         float *o = out + r * cols;
-        for (int64_t c = 0; c < cols; c++) o[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            __m256 g = _mm256_loadu_ps(gate + c);
+            __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
+        }
+        for (; c < cols; c++) o[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
     }
 }
 

@@ -1,6 +1,6 @@
-"""Python faces of layer_kernels.c (bf16 tensors) and layer_kernels_f32.c (float32 tensors):
-each calls the kernel for its tensors' dtype (prefill attention: prefill_attention.c, bf16 on
-AMX). Callers check the library, dtype and layout first (layers/ops.py,
+"""Python faces of layer_kernels.c and prefill_attention.c (bf16 tensors) and of
+layer_kernels_f32.c and prefill_attention_f32.c (float32 tensors): each calls the kernel for its
+tensors' dtype. Callers check the library, dtype and layout first (layers/ops.py,
 attention/native_cpu.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dolmus.runtime.native import avx2_library, library
 
 
 def _kernel(name: str, dtype: torch.dtype) -> Any:
-    """bf16: layer_kernels.c's `name`; float32: layer_kernels_f32.c's `name`_f32."""
+    """bf16: the AVX-512 library's `name`; float32: the AVX2 library's `name`_f32."""
     return getattr(library(), name) if dtype == torch.bfloat16 else getattr(avx2_library(), f"{name}_f32")
 
 
@@ -88,17 +88,17 @@ def prefill_attention(
     block_size: int,
     scale: float,
 ) -> bool:
-    """Prompt chunks attend causally to the cache they were just written to, on AMX tiles or
-    AVX-512 BF16 (prefill_attention.c); writes out [tokens, Hq, D]. False when the kernel ran out of memory
-    (out then partly written).
+    """Prompt chunks attend causally to the cache they were just written to; writes out
+    [tokens, Hq, D]. False when the kernel ran out of memory (out then partly written).
 
-    q [tokens, Hq, D] and out bf16, rows may be strided, heads contiguous; caches [slots, Hkv, D]
-    contiguous bf16; block_ids [nseq, num_blocks], starts/lens/contexts [nseq] int64 (each
-    sequence's first token in q, its token count, its tokens already cached before them);
-    D % 32 == 0, D <= 128."""
+    q [tokens, Hq, D] and out bf16 (AMX tiles or AVX-512 BF16, prefill_attention.c; D % 32 == 0,
+    D <= 128) or float32 (AVX2, prefill_attention_f32.c; D % 16 == 0), rows may be strided,
+    heads contiguous; caches [slots, Hkv, D] contiguous, q's dtype; block_ids [nseq, num_blocks],
+    starts/lens/contexts [nseq] int64 (each sequence's first token in q, its token count, its
+    tokens already cached before them)."""
     _, hq, d = q.shape
     block_ids = block_ids.contiguous()
-    status = library().dolmus_prefill_attention(
+    status = _kernel("dolmus_prefill_attention", q.dtype)(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
