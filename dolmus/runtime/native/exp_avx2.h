@@ -1,8 +1,8 @@
 /* exp of eight floats on AVX2 + FMA, for the float32 kernels (layer_kernels_f32.c,
  * prefill_attention_f32.c): Cephes' expf, e^x = 2^n e^r with |r| <= ln2 / 2 and a degree-6
- * polynomial for e^r, within ~1 ulp of expf. Inputs are clamped to +-88.38: below, the result is 0
- * (e^-88.38 is under the smallest normal float anyway); above, a large finite number; NaN stays
- * NaN. */
+ * polynomial for e^r, within 2 ulp of the exact value. Inputs are clamped to +-88.38: below,
+ * the result is 0 (e^-88.38 is under the smallest normal float anyway); above, a large finite
+ * number; NaN stays NaN. */
 #ifndef DOLMUS_EXP_AVX2_H
 #define DOLMUS_EXP_AVX2_H
 

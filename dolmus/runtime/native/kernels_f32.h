@@ -25,10 +25,6 @@ void dolmus_q4_gemm_i8(const float *x, const uint8_t *q, const float *scale, con
                        int64_t M, int64_t N, int64_t K);
 void dolmus_q8_gemm_i8(const float *x, const int8_t *q, const float *scale, const float *minimum, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t spb);
-int dolmus_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                 const int64_t *block_ids, int64_t nb, const int64_t *starts, const int64_t *lens,
-                                 const int64_t *contexts, int64_t nseq, float *out, int64_t out_stride, int64_t hq,
-                                 int64_t hkv, int64_t d, int64_t bs, float scale);
 void dolmus_bf16w_gemm_f32(const float *x, const uint16_t *packed, const float *bias, float *y, int64_t M,
                            int64_t N, int64_t K);
 
