@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import build_model_dir
 
 from dolmus import LLM
 from dolmus.runtime import native as native_build
@@ -16,7 +17,6 @@ from dolmus.runtime.attention.kv_store import PagedKV
 from dolmus.runtime.layers.norm import RMSNorm
 from dolmus.runtime.layers.rotary import RotaryEmbedding
 from dolmus.runtime.native import ops as native_ops
-from conftest import build_model_dir
 from helpers import greedy, random_prompts, run_tokens
 
 needs_avx2 = pytest.mark.skipif(
@@ -183,15 +183,21 @@ def test_prefill_attention_f32_gives_a_row_the_same_bits_however_its_prompt_is_c
 
 @needs_avx2
 @pytest.mark.parametrize("arch", ["llama-wide", "qwen2-wide"])
-def test_native_prefills_in_float32_agree_with_sdpa_and_do_not_depend_on_chunking(arch, model_root) -> None:
+def test_native_prefills_in_float32_agree_with_sdpa_and_do_not_depend_on_chunking(
+    arch, model_root, monkeypatch
+) -> None:
     """The native backend's float32 prefills (prefill_attention_f32.c) against the torch
     backend's (SDPA): prompt logprobs of whole prompts and of chunks reading cached context."""
+    ran = []
+    kernel = native_ops.prefill_attention
+    monkeypatch.setattr(native_ops, "prefill_attention", lambda *a: ran.append(kernel(*a)) or ran[-1])
     folder = str(build_model_dir(arch, model_root))
     ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     ours = LLM(model=folder, dtype="float32", attention_backend="native").engine
     theirs = LLM(model=folder, dtype="float32", attention_backend="torch").engine
     whole = ours.prompt_logprobs(ids)
     assert torch.equal(ours.prompt_logprobs(ids, chunk_size=37), whole)
+    assert ran and all(ran)  # the kernel ran (SDPA would agree too), on every chunk
     torch.testing.assert_close(whole, theirs.prompt_logprobs(ids), rtol=0, atol=1e-4)
 
 
@@ -200,12 +206,13 @@ def test_exp_of_the_f32_kernels_holds_over_the_whole_range() -> None:
     """silu(gate) * up through exp_ps (exp_avx2.h) for gates from -100 to 100: within 4 ulp of
     float64 while e^-gate is a normal float, within 1e-30 of it past that (exp_ps clamps its
     input at +-88.38), and NaN for a NaN gate."""
-    gate = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([float("nan")])])
+    # 20,008 gates: a multiple of 8, so every one goes through exp_ps, none through expf
+    gate = torch.cat([torch.tensor([float("nan")]), torch.linspace(-100, 100, 20007)])
     x = torch.stack([torch.cat([gate, torch.full_like(gate, 1.5)]), torch.cat([gate, -gate])])
     got = native_ops.silu_and_mul(x).double()
     g, up = x.double().split(gate.numel(), dim=1)
     expected = F.silu(g) * up
-    assert torch.equal(got.isnan(), expected.isnan()) and bool(got[:, -1].isnan().all())
+    assert torch.equal(got.isnan(), expected.isnan()) and bool(got[:, 0].isnan().all())
     inside = (g.abs() < 87) & (expected != 0)
     torch.testing.assert_close(got[inside], expected[inside], rtol=4 * 2**-23, atol=0)
     outside = (g.abs() >= 87) & (g < 0)

@@ -135,16 +135,16 @@ static void attend_span(const float *qf, const float *const *key, const float *c
         /* eight exponentials at a time (with expf one at a time they were most of this
          * function's time at 32 sequences of ~250 positions) */
         __m256 mx = _mm256_set1_ps(m), total = _mm256_setzero_ps();
-        int64_t p = 0;
-        for (; p + 8 <= count; p += 8) {
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx));
-            _mm256_storeu_ps(sg + p, e);
+        int64_t e0 = 0;
+        for (; e0 + 8 <= count; e0 += 8) {
+            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + e0), mx));
+            _mm256_storeu_ps(sg + e0, e);
             total = _mm256_add_ps(total, e);
         }
         float s = hsum8(total);
-        for (; p < count; p++) {
-            sg[p] = expf(sg[p] - m);
-            s += sg[p];
+        for (; e0 < count; e0++) {
+            sg[e0] = expf(sg[e0] - m);
+            s += sg[e0];
         }
         top[g] = m;
         sum[g] = s;

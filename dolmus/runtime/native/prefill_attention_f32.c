@@ -162,6 +162,7 @@ static void attend_item(const float *q, int64_t q_stride, const float *v_cache, 
             int R = n - r0 < ROWS ? (int)(n - r0) : ROWS;
             /* keys this block of rows may see: up to its last row's position */
             int64_t seen = context + t0 + (r0 + R - 1) / group + 1 - k0;
+            if (seen <= 0) continue; /* every row of the block is before this key block */
             int64_t width = round16(seen < count ? seen : count), tiles = width / 16;
             float *sr = s + r0 * KEY_BLOCK;
             switch (R) {
@@ -244,7 +245,8 @@ int dolmus_prefill_attention_f32(const float *q, int64_t q_stride, const float *
         }
         free(pos);
         /* per thread: scores, weighted values, running maxima and sums, row and value addresses */
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)(rows * (KEY_BLOCK + d + 2)));
+        /* aligned_alloc takes a multiple of its alignment */
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)round16(rows * (KEY_BLOCK + d + 2)));
         const float **addr = malloc(sizeof(float *) * (size_t)(rows + KEY_BLOCK));
         if (!s || !addr) {
 #pragma omp atomic write
