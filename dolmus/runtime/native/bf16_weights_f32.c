@@ -20,8 +20,9 @@
  * take 4 panels at a time as they come free: a core slowed by something else (the API server's
  * process shares the cores) no longer holds the other at the end of every product (with a
  * process busy 10% of the time beside it, 512-row gate/up 157 -> 170 GFLOP/s and 2048-row o
- * 161 -> 179 against halves fixed in advance; the same on a quiet host). Past STRETCH rows the panels are passed over once per stretch of rows,
- * whose inputs then stay in L2 (2048 rows: gate/up 138 -> 154 GFLOP/s, down 132 -> 178).
+ * 161 -> 179 against halves fixed in advance; the same on a quiet host). Past STRETCH rows the
+ * panels are passed over once per stretch of rows, whose inputs then stay in L2 (2048 rows:
+ * gate/up 138 -> 154 GFLOP/s, down 132 -> 178).
  *
  * Every sum is float32 in input order whatever the number of rows, so a row's result does not
  * depend on its batch.

@@ -1,4 +1,4 @@
-/* exp of eight floats on AVX2 + FMA, for the float32 kernels (layer_kernels_f32.c,
+/* exp of eight floats on AVX2 + FMA, and a softmax's numerators on it, for the float32 kernels (layer_kernels_f32.c,
  * prefill_attention_f32.c): Cephes' expf, e^x = 2^n e^r with |r| <= ln2 / 2 and a degree-6
  * polynomial for e^r, within 2 ulp of the exact value. Inputs are clamped to +-88.38: below,
  * the result is 0 (e^-88.38 is under the smallest normal float anyway); above, a large finite
@@ -6,6 +6,8 @@
 #ifndef DOLMUS_EXP_AVX2_H
 #define DOLMUS_EXP_AVX2_H
 
+#include <math.h>
+#include <stdint.h>
 #include <immintrin.h>
 
 static inline __m256 exp_ps(__m256 x) {
@@ -26,6 +28,26 @@ static inline __m256 exp_ps(__m256 x) {
     /* 2^n from the exponent bits; n = -127 (the clamp's floor) gives 0 */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* A softmax's numerators: s[0..n) -> e^(s - top) in place; returns their sum (eight lanes'
+ * sums added in lane order, then the last n % 8 in order, on expf). */
+static inline float exp_sub_sum(float *s, int64_t n, float top) {
+    __m256 mx = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
+        _mm256_storeu_ps(s + k, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, sum);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+    for (; k < n; k++) {
+        s[k] = expf(s[k] - top);
+        total += s[k];
+    }
+    return total;
 }
 
 #endif

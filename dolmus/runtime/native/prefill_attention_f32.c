@@ -118,20 +118,8 @@ static float weigh_scores(float *s, int64_t visible, int64_t width, float scale,
         best = s[k] > best ? s[k] : best;
     }
     float next = best > *m ? best : *m, alpha = expf(*m - next); /* e^-inf = 0 on the first block */
-    __m256 mx = _mm256_set1_ps(next), sum = _mm256_setzero_ps();
-    for (k = 0; k + 8 <= visible; k += 8) {
-        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
-        _mm256_storeu_ps(s + k, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    _mm256_storeu_ps(lanes, sum);
-    float total = 0.0f;
-    for (int j = 0; j < 8; j++) total += lanes[j];
-    for (; k < visible; k++) {
-        s[k] = expf(s[k] - next);
-        total += s[k];
-    }
-    for (; k < width; k++) s[k] = 0.0f;
+    float total = exp_sub_sum(s, visible, next);
+    for (; k < width; k++) s[k] = 0.0f; /* k == visible here */
     *m = next;
     *l = *l * alpha + total;
     return alpha;
@@ -244,8 +232,8 @@ int dolmus_prefill_attention_f32(const float *q, int64_t q_stride, const float *
             pack_keys(k_cache, pos, total, d, packed + packed_at[i] + h * round16(total) * d);
         }
         free(pos);
-        /* per thread: scores, weighted values, running maxima and sums, row and value addresses */
-        /* aligned_alloc takes a multiple of its alignment */
+        /* per thread: scores, weighted values, running maxima and sums, row and value addresses
+         * (aligned_alloc takes a multiple of its alignment) */
         float *s = aligned_alloc(64, sizeof(float) * (size_t)round16(rows * (KEY_BLOCK + d + 2)));
         const float **addr = malloc(sizeof(float *) * (size_t)(rows + KEY_BLOCK));
         if (!s || !addr) {
