@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per round")
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it, else float32")
     args = parser.parse_args()
 
     from dolmus import LLM, SamplingParams
@@ -51,7 +52,7 @@ def main() -> None:
     psi, start = cpu_pressure_total(), time.monotonic()
     rows = []
     for name, kw in CONFIGS.items():
-        llm = LLM(model=str(llama_body_dir()), dtype="bfloat16", num_threads=THREADS, **kw)
+        llm = LLM(model=str(llama_body_dir()), dtype=args.dtype, num_threads=THREADS, **kw)
         nbytes = module_bytes(llm.engine.runner.model)
         llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up
         speeds, bandwidths, shares = [], [], []

@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 128, or 64 with --batch")
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it, else float32")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (128 if args.batch == 1 else 64)
 
@@ -55,7 +56,7 @@ def main() -> None:
     sizes = {}
     for r in range(args.rounds):
         for name, kw in CONFIGS.items():
-            llm = LLM(model=model, dtype="bfloat16", num_threads=THREADS, **kw)
+            llm = LLM(model=model, dtype=args.dtype, num_threads=THREADS, **kw)
             sizes[name] = module_bytes(llm.engine.runner.model)
             llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up
             prompts = [[1000 + 7 * r + 11 * b + i for i in range(32)] for b in range(args.batch)]

@@ -62,3 +62,20 @@ def test_bf16_weights_fused_in_float32_give_the_modules_bits(tmp_path, arch: str
     assert (fused.engine.runner.fused_decoder is None) == (arch == "qwen3")
     assert _outputs(fused) == _outputs(modules)
     assert fused.engine.runner.fused_steps >= (0 if arch == "qwen3" else 15)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_weights_quantized_on_load_run_on_the_block_kernels_fused(tmp_path, quantization: str) -> None:
+    """`quantization="int8"|"int4"` under float32 (AVX2's dtype): every layer on the block
+    kernels (quant/kernels.py's "blocks"), and the fused step gives the modules' bits."""
+    from dolmus.runtime.layers.linear import Linear
+
+    folder = build_model_dir("qwen2-wide", tmp_path)
+    kw = dict(model=str(folder), dtype="float32", quantization=quantization)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    layers = [m for m in fused.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert {layer.method_state.kernel.name for layer in layers} == {"blocks"}
+    assert fused.engine.runner.fused_decoder is not None
+    for prompts in (PROMPTS, PROMPTS[:1]):  # the strips, then one row
+        assert _outputs(fused, prompts) == _outputs(modules, prompts)
+    assert fused.engine.runner.fused_steps >= 30

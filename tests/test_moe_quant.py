@@ -124,9 +124,10 @@ def test_quantized_experts_generate_and_shrink_the_weight_bytes(moe_dir: Path) -
     prompts = random_prompts((1, 9, 30), seed=7)
     base = LLM(str(moe_dir), dtype="float32")
     float_experts = sum(e.w13.numel() + e.w2.numel() for e in _experts(base)) * 4
-    # fp32 -> a byte (int8) or half a byte (int4) a weight, plus scales (int4: and zeros,
+    # fp32 -> a byte (int8) or half a byte (int4) a weight, plus scales (int8: one per row, or
+    # on AVX2's block kernels one per 32 weights, an eighth of a byte each; int4: and zeros,
     # float32 here, a quarter byte a weight; Qwen3's down matrices stay int8)
-    for quantization, low, high in (("int8", 0.25, 0.27), ("int4", 0.125, 0.22)):
+    for quantization, low, high in (("int8", 0.25, 0.29), ("int4", 0.125, 0.22)):
         llm = LLM(str(moe_dir), dtype="float32", quantization=quantization, max_num_batched_tokens=16)
         out = run_tokens(llm, prompts, greedy(12))
         assert all(len(tokens) == 12 for tokens in out)

@@ -13,6 +13,7 @@ from dolmus.quant import kernels
 from dolmus.quant.kernels import KERNELS, Int4Kernel, Int8Kernel, device_kind, int4_kernel, int8_kernel
 from dolmus.quant.state import Int4State, Int8State
 from dolmus.quant.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from dolmus.runtime import native as runtime_native
 from dolmus.runtime.layers.linear import Linear
 
 LAYERS = Path(__file__).parent.parent / "dolmus" / "runtime" / "layers"
@@ -33,19 +34,26 @@ def _int4(n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
     return codes, scale, zero
 
 
-@pytest.mark.parametrize("kind", ["cuda", "cpu_native", "cpu"])
+needs_avx2 = pytest.mark.skipif(
+    runtime_native.avx2_library() is None, reason="the block kernels need x86-64 with AVX2, FMA and F16C"
+)
+BLOCKS = pytest.param("cpu_blocks", marks=needs_avx2)  # dequantizes through its C kernel
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cpu_native", BLOCKS, "cpu"])
 def test_int8_layouts_read_back_their_codes(kind: str) -> None:
-    """Packing and dequantizing are plain tensor code for every kernel, so all run here."""
+    """Packing and dequantizing are plain tensor code for every kernel but the block kernels'
+    (their C decoding), so all run here."""
     kernel = KERNELS["int8", kind]
     assert isinstance(kernel, Int8Kernel)
-    for n, k in ((100, 64), (48, 40)):
+    for n, k in ((100, 64), (48, 32 if kind == "cpu_blocks" else 40)):
         codes, scale, w = _int8(n, k, torch.float32)
         state = kernel.pack(codes, scale)
         assert state.kernel is kernel and state.shape == (n, k)
         torch.testing.assert_close(kernel.dequantize(state), w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["cuda", "cpu_native", "cpu"])
+@pytest.mark.parametrize("kind", ["cuda", "cpu_native", BLOCKS, "cpu"])
 def test_int4_layouts_read_back_their_codes(kind: str) -> None:
     kernel = KERNELS["int4", kind]
     assert isinstance(kernel, Int4Kernel)
@@ -56,6 +64,23 @@ def test_int4_layouts_read_back_their_codes(kind: str) -> None:
         assert state.kernel is kernel and state.shape == (n, k) and state.group_size == group
         s, z = (t.to(dtype).float().repeat_interleave(group, 1) for t in (scale, zero))
         torch.testing.assert_close(kernel.dequantize(state), (codes - 8) * s + z, rtol=0, atol=1e-6)
+
+
+@needs_avx2
+def test_the_block_kernels_multiply_as_their_weights_at_every_size() -> None:
+    """float32 layers on AVX2 (`cpu_blocks`): one row (decode: scales and minima outside the
+    inner products), the row tiles, the strips and the dequantize-and-GEMM path, against the
+    float64 product of the weight the kernel holds; int4 groups of 32 and 128."""
+    gen = torch.Generator().manual_seed(5)
+    codes, scale, _ = _int8(70, 256, torch.float32)
+    states = [KERNELS["int8", "cpu_blocks"].pack(codes, scale)]
+    states += [KERNELS["int4", "cpu_blocks"].pack(*_int4(70, 256, g), g, torch.float32) for g in (32, 128)]
+    for state in states:
+        w = state.kernel.dequantize(state).double()
+        for m in (1, 2, 3, 5, 64, 65):
+            x = torch.randn(m, 256, generator=gen)
+            y = state.kernel.matmul(state, x)
+            torch.testing.assert_close(y, (x.double() @ w.T).float(), rtol=1e-5, atol=1e-4)
 
 
 def test_the_plain_cpu_kernels_compute_with_what_they_hold() -> None:
@@ -72,12 +97,18 @@ def test_kernels_are_chosen_by_device_kind(monkeypatch) -> None:
     assert device_kind(cuda, torch.bfloat16, True) == "cuda"
     monkeypatch.setattr(kernels.runtime_native, "library", lambda: object())  # as if our kernels built
     assert device_kind(cpu, torch.bfloat16, True) == "cpu_native"
-    assert device_kind(cpu, torch.float32, True) == "cpu"
+    monkeypatch.setattr(kernels.runtime_native, "avx2_library", lambda: object())
+    assert device_kind(cpu, torch.float32, True) == "cpu_blocks"  # AVX2's block kernels
+    assert int8_kernel(cpu, torch.float32, True, 48, 64).name == "blocks"
+    assert int8_kernel(cpu, torch.float32, True, 48, 40).name == "torch"  # blocks of 32 inputs
     assert device_kind(cpu, torch.bfloat16, False) == "cpu"
+    assert device_kind(cpu, torch.float32, False) == "cpu"
     assert int4_kernel(cpu, torch.bfloat16, True).name == "native"
     assert int8_kernel(cpu, torch.bfloat16, True, 48, 64).name == "native"
     assert int8_kernel(cpu, torch.bfloat16, True, 48, 63).name == "torch"  # ours reads inputs in pairs
     monkeypatch.setattr(kernels.runtime_native, "library", lambda: None)
+    assert device_kind(cpu, torch.bfloat16, True) == "cpu_blocks"  # bf16 on AVX2 alone
+    monkeypatch.setattr(kernels.runtime_native, "avx2_library", lambda: None)
     assert device_kind(cpu, torch.bfloat16, True) == "cpu"
 
 

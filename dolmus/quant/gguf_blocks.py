@@ -170,29 +170,32 @@ class BlockQuantMethod(LinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def native_linear(self, layer: Linear) -> NativeLinear | None:
-        """`matmul`'s choices up to STRIP_MAX_ROWS rows, for the fused float32 decode step: the
-        int8-x kernels (8-bit blocks up to I8_MAX_ROWS, 4-bit ones at one row), else the tile
-        kernel up to TILE_MAX_ROWS, the strips past them."""
         state: BlockState = layer.method_state  # type: ignore[assignment]
-        w = state.weight
-        kind, tile_rows = NativeKind.Q4_F32 if w.bits == 4 else NativeKind.Q8_F32, TILE_MAX_ROWS
-        if state.int8_x and w.bits == 4:
-            kind = NativeKind.Q4_I8  # one row on int8 x, more as Q4_F32
-        elif state.int8_x:
-            kind, tile_rows = NativeKind.Q8_I8, I8_MAX_ROWS
-        n, k = w.shape
-        return NativeLinear(
-            kind,
-            w.codes,
-            n,
-            k,
-            scale=w.scale,
-            zero=w.minimum,
-            bias=layer.bias,
-            group=BLOCK // w.group if w.bits == 8 else 0,
-            max_rows=STRIP_MAX_ROWS,
-            tile_rows=tile_rows,
-        )
+        return block_native_linear(state.weight, layer.bias, state.int8_x)
+
+
+def block_native_linear(w: BlockCodes, bias: torch.Tensor | None, int8_x: bool = False) -> NativeLinear:
+    """`matmul`'s choices up to STRIP_MAX_ROWS rows, for the fused float32 decode step: the
+    int8-x kernels (8-bit blocks up to I8_MAX_ROWS, 4-bit ones at one row), else the tile
+    kernel up to TILE_MAX_ROWS, the strips past them. `w`'s codes packed by `pack_lanes`."""
+    kind, tile_rows = NativeKind.Q4_F32 if w.bits == 4 else NativeKind.Q8_F32, TILE_MAX_ROWS
+    if int8_x and w.bits == 4:
+        kind = NativeKind.Q4_I8  # one row on int8 x, more as Q4_F32
+    elif int8_x:
+        kind, tile_rows = NativeKind.Q8_I8, I8_MAX_ROWS
+    n, k = w.shape
+    return NativeLinear(
+        kind,
+        w.codes,
+        n,
+        k,
+        scale=w.scale,
+        zero=w.minimum,
+        bias=bias,
+        group=BLOCK // w.group if w.bits == 8 else 0,
+        max_rows=STRIP_MAX_ROWS,
+        tile_rows=tile_rows,
+    )
 
 
 def stack_parts(layer: Linear, parts: dict[str | None, BlockCodes], bytes_only: bool = False) -> BlockCodes:

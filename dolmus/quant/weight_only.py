@@ -11,9 +11,10 @@ in `process_weights_after_loading`:
 
 Which kernel multiplies a layer is chosen once, at load, from kernels.py's table: on bf16
 CPU layers our AVX-512 kernels (quant/native.py wrapping runtime/native/quant_kernels.c),
-which stream the weights at memory bandwidth; elsewhere (fp32 runs, CPUs without AVX-512
-BF16, no C compiler, `native_kernels=False`) PyTorch's `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, which are compute-bound here at about half that. On a CUDA
+which stream the weights at memory bandwidth; on other CPU layers (float32: AVX2 hosts'
+dtype) GGUF's AVX2 block kernels (gguf_blocks.py); elsewhere (no AVX2, no C compiler,
+`native_kernels=False`) PyTorch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`,
+compute-bound at about half the bandwidth in bf16 and ~10x slower still in float32. On a CUDA
 GPU both run on our Triton kernel (triton_kernels.py), which dequantizes tiles in registers
 for the tensor cores. A layer whose input size is not a multiple of the group size (or, on
 PyTorch's int4 kernel, whose output size is not a multiple of 16) is int8 instead, logged.
