@@ -9,7 +9,10 @@ With `--batch 32`, 32 requests (32 prompt tokens, 64 outputs each) decode togeth
 the figure is the sum of their decode rates (each request's 1 / TPOT): many concurrent
 users, where the weight read is shared by the batch and arithmetic matters more.
 
-    python benchmarks/quant_speed.py [--rounds 2] [--batch 32]
+    python benchmarks/quant_speed.py [--rounds 2] [--batch 32] [--skip-pytorch-kernels]
+
+(`--skip-pytorch-kernels`: PyTorch's int8/int4 kernels in float32 on an AVX2-only CPU take
+half an hour at 32 requests.)
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 128, or 64 with --batch")
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it, else float32")
+    parser.add_argument("--skip-pytorch-kernels", action="store_true", help="no PyTorch int8/int4 rows")
     args = parser.parse_args()
+    configs = {n: kw for n, kw in CONFIGS.items() if not (args.skip_pytorch_kernels and "PyTorch" in n)}
     max_tokens = args.max_tokens or (128 if args.batch == 1 else 64)
 
     from dolmus import LLM, SamplingParams
@@ -52,10 +57,10 @@ def main() -> None:
 
     model = str(qwen05b_shape_dir())
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    results: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    results: dict[str, list[float]] = {name: [] for name in configs}
     sizes = {}
     for r in range(args.rounds):
-        for name, kw in CONFIGS.items():
+        for name, kw in configs.items():
             llm = LLM(model=model, dtype=args.dtype, num_threads=THREADS, **kw)
             sizes[name] = module_bytes(llm.engine.runner.model)
             llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up

@@ -197,12 +197,19 @@ static void q4_row_inputs(const float *x, int64_t nb, float *xsum, float *xs) {
     }
 
 /* Batches of more than MR rows: NS output rows are decoded once into a float buffer that
- * stays in cache (NS * K floats), then every row of x is multiplied with it; each weight is
- * decoded once per call instead of once per MR rows of x. Two accumulators per output row
- * keep the FMA chains short. */
-#define NS 4
-static inline void strip_times_rows(const float *buf, const float *x, float *y, int64_t M, int64_t N,
-                                    int64_t K, int64_t n0, int ns) {
+ * stays in cache (NS * K floats), then multiplied with every row of x; each weight is decoded
+ * once per call instead of once per MR rows of x. From XT_MIN_ROWS rows, x is transposed once
+ * per call (xt [K][Mp], Mp = M rounded up to 16, zero rows past M), and per input k the NS
+ * broadcast weights meet 16 rows of x in two vectors on 2 * NS accumulators: two vector loads
+ * and NS broadcasts for 2 * NS multiply-adds. Below, each row of x takes the strip as dot
+ * products (two accumulators per output row), a load per multiply-add but no padding: at 8
+ * rows, half of a 16-row block would be zeros. Measured on an AVX2 EPYC (Qwen2.5-0.5B's
+ * layers, 2 threads): the transposed form 1.3-1.9x the dot products from 16 rows, 0.65-1.0x
+ * at 5-8. */
+#define NS 6
+#define XT_MIN_ROWS 16
+static inline void strip_dots(const float *buf, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                              int64_t n0, int ns) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
         __m256 acc[NS][2];
@@ -215,6 +222,40 @@ static inline void strip_times_rows(const float *buf, const float *x, float *y, 
             }
         }
         for (int j = 0; j < ns; j++) y[m * N + n0 + j] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+    }
+}
+
+/* Rows [m0, m0 + 8 MV) of xt against the strip (MV = 1 or 2, a constant: the accumulators stay
+ * in registers). */
+#define STRIP_BLOCK(MV)                                                                          \
+    do {                                                                                         \
+        __m256 acc[NS][2];                                                                       \
+        for (int j = 0; j < NS; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();                \
+        for (int64_t k = 0; k < K; k++) {                                                        \
+            const float *xk = xt + k * Mp + m0;                                                  \
+            __m256 x0 = _mm256_loadu_ps(xk), x1 = MV == 2 ? _mm256_loadu_ps(xk + 8) : x0;        \
+            for (int j = 0; j < NS; j++) {                                                       \
+                __m256 w = _mm256_broadcast_ss(buf + j * K + k);                                 \
+                acc[j][0] = _mm256_fmadd_ps(w, x0, acc[j][0]);                                   \
+                if (MV == 2) acc[j][1] = _mm256_fmadd_ps(w, x1, acc[j][1]);                      \
+            }                                                                                    \
+        }                                                                                        \
+        float out[NS][16];                                                                       \
+        for (int j = 0; j < NS; j++) {                                                           \
+            _mm256_storeu_ps(out[j], acc[j][0]);                                                 \
+            _mm256_storeu_ps(out[j] + 8, acc[j][1]);                                             \
+        }                                                                                        \
+        for (int j = 0; j < ns; j++)                                                             \
+            for (int i = 0; i < 8 * MV && m0 + i < M; i++) y[(m0 + i) * N + n0 + j] = out[j][i]; \
+    } while (0)
+
+static void strip_times_xt(const float *buf, const float *xt, float *y, int64_t M, int64_t Mp, int64_t N,
+                           int64_t K, int64_t n0, int ns) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        if (M - m0 > 8)
+            STRIP_BLOCK(2);
+        else
+            STRIP_BLOCK(1);
     }
 }
 
@@ -247,8 +288,15 @@ static inline void decode_row(const void *q, const float *scale, const float *mi
 
 static void strip_gemm(const float *x, const void *q, const float *scale, const float *minimum, int spb,
                        float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t Mp = (M + 15) / 16 * 16;
+    float *xt = M >= XT_MIN_ROWS ? aligned_alloc(64, sizeof(float) * (size_t)(Mp * K)) : NULL;
 #pragma omp parallel
     {
+        if (xt) {
+#pragma omp for schedule(static)
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t m = 0; m < Mp; m++) xt[k * Mp + m] = m < M ? x[m * K + k] : 0.0f;
+        }
         float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));
         if (buf) {
 #pragma omp for schedule(static)
@@ -256,11 +304,15 @@ static void strip_gemm(const float *x, const void *q, const float *scale, const 
                 int ns = N - n0 < NS ? (int)(N - n0) : NS;
                 for (int j = 0; j < NS; j++) /* a short last strip repeats row n0 */
                     decode_row(q, scale, minimum, spb, n0 + (j < ns ? j : 0), K, buf + j * K);
-                strip_times_rows(buf, x, y, M, N, K, n0, ns);
+                if (xt)
+                    strip_times_xt(buf, xt, y, M, Mp, N, K, n0, ns);
+                else
+                    strip_dots(buf, x, y, M, N, K, n0, ns);
             }
             free(buf);
         }
     }
+    free(xt);
 }
 
 /* y[M][N] = x[M][K] times the 4-bit weight, K % 32 == 0, for M > MR. */
