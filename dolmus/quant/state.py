@@ -33,7 +33,9 @@ class Int8State(LinearState):
 @dataclass
 class Int4State(LinearState):
     """4-bit codes with a scale and zero per group of inputs, in `kernel`'s layout:
-    w = (q - 8) * scale + zero."""
+    w = (q - 8) * scale + zero. The layout is the kernel's to read: the AVX2 block kernel
+    ("blocks") keeps a scale and a minimum (zero - 8 * scale) per 32 inputs, the minima in
+    `zeros`."""
 
     kernel: Int4Kernel
     shape: tuple[int, int]  # [N, K] of the float weight

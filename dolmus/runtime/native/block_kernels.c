@@ -9,7 +9,9 @@
  * with minima). The codes of a block are in the lane-major order decode_q4/decode_q8 describe.
  * A file's scales are fp16 times small integers, so q * s is exact in float32 and the one
  * rounding of the product or fused multiply-add below gives the bits the gguf package's
- * dequantization gives.
+ * dequantization gives (weights quantized on load have any float32 scales: there it is within a
+ * rounding). The one-row products (q8_row, q4_row) take the scale and minimum out of the sums,
+ * so at one row a weight counts within a rounding of what the decoding gives.
  *
  * At a few rows (decode) the time is the weight reads: each block is decoded once into float
  * registers and multiplied with up to MR rows of x. `--gguf-activations int8` takes x as int8
@@ -22,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include "kernels_f32.h"
 
@@ -117,7 +120,8 @@ ROW_TILE(q8g_tile, int8_t,
  * converted where their bits lie, masked, not shifted down (masks issue on every vector pipe,
  * shifts on two): an 8-bit code comes out as q 2^24 (the row's sum is scaled back once), and
  * 4-bit code a of a lane as q 2^(4a), met by xs, x scaled by 2^(-4a) per 8-wide part once per
- * call. Powers of two change no product's rounding. Two blocks a turn on two accumulators keep
+ * call. Powers of two change no product's rounding (in the normal range: an x below 2^-114
+ * scaled by 2^-12 is subnormal). Two blocks a turn on two accumulators keep
  * the one chain per block off the multiply-add latency. */
 static inline __m256 q8_dot(const int8_t *q, const float *x) {
     __m256i lanes = _mm256_loadu_si256((const __m256i *)q);
@@ -286,33 +290,42 @@ static inline void decode_row(const void *q, const float *scale, const float *mi
     }
 }
 
+static void row_tiles(const float *x, const void *q, const float *scale, const float *minimum, int spb,
+                      float *y, int64_t M, int64_t N, int64_t K);
+
+/* Every thread's strip buffer is taken before the parallel region, so that all threads meet
+ * the work-sharing loops or none does; without the memory the row tiles run instead. */
 static void strip_gemm(const float *x, const void *q, const float *scale, const float *minimum, int spb,
                        float *y, int64_t M, int64_t N, int64_t K) {
     int64_t Mp = (M + 15) / 16 * 16;
+    int threads = omp_get_max_threads();
+    float *bufs = aligned_alloc(64, sizeof(float) * (size_t)(NS * K) * (size_t)threads);
+    if (!bufs) {
+        row_tiles(x, q, scale, minimum, spb, y, M, N, K);
+        return;
+    }
     float *xt = M >= XT_MIN_ROWS ? aligned_alloc(64, sizeof(float) * (size_t)(Mp * K)) : NULL;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         if (xt) {
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < K; k++)
                 for (int64_t m = 0; m < Mp; m++) xt[k * Mp + m] = m < M ? x[m * K + k] : 0.0f;
         }
-        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(NS * K));
-        if (buf) {
+        float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(NS * K);
 #pragma omp for schedule(static)
-            for (int64_t n0 = 0; n0 < N; n0 += NS) {
-                int ns = N - n0 < NS ? (int)(N - n0) : NS;
-                for (int j = 0; j < NS; j++) /* a short last strip repeats row n0 */
-                    decode_row(q, scale, minimum, spb, n0 + (j < ns ? j : 0), K, buf + j * K);
-                if (xt)
-                    strip_times_xt(buf, xt, y, M, Mp, N, K, n0, ns);
-                else
-                    strip_dots(buf, x, y, M, N, K, n0, ns);
-            }
-            free(buf);
+        for (int64_t n0 = 0; n0 < N; n0 += NS) {
+            int ns = N - n0 < NS ? (int)(N - n0) : NS;
+            for (int j = 0; j < NS; j++) /* a short last strip repeats row n0 */
+                decode_row(q, scale, minimum, spb, n0 + (j < ns ? j : 0), K, buf + j * K);
+            if (xt)
+                strip_times_xt(buf, xt, y, M, Mp, N, K, n0, ns);
+            else
+                strip_dots(buf, x, y, M, N, K, n0, ns);
         }
     }
     free(xt);
+    free(bufs);
 }
 
 /* y[M][N] = x[M][K] times the 4-bit weight, K % 32 == 0, for M > MR. */
@@ -367,6 +380,24 @@ void dolmus_q8_gemm_f32(const float *x, const int8_t *q, const float *scale, con
         } else if (spb == 1 && !mn) {
             FOR_ROW_TILES(q8_tile)
         } else {
+            FOR_ROW_TILES(q8g_tile)
+        }
+    }
+}
+
+/* The row tiles for any M (the strips' fallback without memory for their buffers). */
+static void row_tiles(const float *x, const void *q, const float *scale, const float *minimum, int spb,
+                      float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *sn = scale + n * nb * (spb ? spb : 1);
+        const float *mn = minimum ? minimum + n * nb * (spb ? spb : 1) : NULL;
+        if (!spb) {
+            const uint8_t *qn = (const uint8_t *)q + n * nb * 16;
+            FOR_ROW_TILES(q4_tile)
+        } else {
+            const int8_t *qn = (const int8_t *)q + n * K;
             FOR_ROW_TILES(q8g_tile)
         }
     }
