@@ -115,7 +115,23 @@ class NativeInt8(Int8Kernel):
         return codes.float() * state.scales[:n, None]
 
 
-class BlockInt8(Int8Kernel):
+class _OnBlocks:
+    """What the block kernels do with a state once it is read as `BlockCodes` (`blocks`)."""
+
+    def blocks(self, state: Int8State | Int4State) -> BlockCodes:
+        raise NotImplementedError
+
+    def matmul(self, state: Int8State | Int4State, x: torch.Tensor) -> torch.Tensor:
+        return gguf_blocks.matmul(self.blocks(state), x.float().contiguous()).to(x.dtype)
+
+    def native_linear(self, state: Int8State | Int4State, bias: torch.Tensor | None) -> NativeLinear | None:
+        return gguf_blocks.block_native_linear(self.blocks(state), bias)
+
+    def dequantize(self, state: Int8State | Int4State) -> torch.Tensor:
+        return gguf_blocks.dequantize_rows(self.blocks(state), torch.arange(state.shape[0]))
+
+
+class BlockInt8(_OnBlocks, Int8Kernel):
     """8-bit blocks of 32 inputs on block_kernels.c (float32 inside), the row's scale repeated
     for each block: 4 bytes more per 32 weights, where a kernel with one scale per row would
     need its own decoding loops for a format no checkpoint has."""
@@ -131,18 +147,8 @@ class BlockInt8(Int8Kernel):
         w = gguf_blocks.pack_lanes(BlockCodes(8, codes.contiguous(), scales, None))
         return Int8State(self, (n, k), w.codes, w.scale)
 
-    def matmul(self, state: Int8State, x: torch.Tensor) -> torch.Tensor:
-        return gguf_blocks.matmul(_int8_blocks(state), x.float().contiguous()).to(x.dtype)
-
-    def native_linear(self, state: Int8State, bias: torch.Tensor | None) -> NativeLinear | None:
-        return gguf_blocks.block_native_linear(_int8_blocks(state), bias)
-
-    def dequantize(self, state: Int8State) -> torch.Tensor:
-        return gguf_blocks.dequantize_rows(_int8_blocks(state), torch.arange(state.shape[0]))
-
-
-def _int8_blocks(state: Int8State) -> BlockCodes:
-    return BlockCodes(8, state.codes, state.scales, None)
+    def blocks(self, state: Int8State) -> BlockCodes:  # type: ignore[override]
+        return BlockCodes(8, state.codes, state.scales, None)
 
 
 class TritonInt8(Int8Kernel):
@@ -250,7 +256,7 @@ class NativeInt4(Int4Kernel):
         return (codes - 8) * scale + zero
 
 
-class BlockInt4(Int4Kernel):
+class BlockInt4(_OnBlocks, Int4Kernel):
     """4-bit blocks of 32 inputs on block_kernels.c (float32 inside), as GGUF's Q4_1 holds
     them: w = q * scale + minimum, minimum = zero - 8 * scale, both repeated for each block of
     32 of a larger group. Checkpoint codes (GPTQ/AWQ) are left to their float weights here,
@@ -274,18 +280,8 @@ class BlockInt4(Int4Kernel):
         w = gguf_blocks.pack_lanes(BlockCodes(4, pairs, scale.repeat_interleave(repeat, dim=1), minimum))
         return Int4State(self, (n, k), group, w.codes, w.scale, w.minimum)
 
-    def matmul(self, state: Int4State, x: torch.Tensor) -> torch.Tensor:
-        return gguf_blocks.matmul(_int4_blocks(state), x.float().contiguous()).to(x.dtype)
-
-    def native_linear(self, state: Int4State, bias: torch.Tensor | None) -> NativeLinear | None:
-        return gguf_blocks.block_native_linear(_int4_blocks(state), bias)
-
-    def dequantize(self, state: Int4State) -> torch.Tensor:
-        return gguf_blocks.dequantize_rows(_int4_blocks(state), torch.arange(state.shape[0]))
-
-
-def _int4_blocks(state: Int4State) -> BlockCodes:
-    return BlockCodes(4, state.codes, state.scales, state.zeros)
+    def blocks(self, state: Int4State) -> BlockCodes:  # type: ignore[override]
+        return BlockCodes(4, state.codes, state.scales, state.zeros)
 
 
 class TritonInt4(Int4Kernel):

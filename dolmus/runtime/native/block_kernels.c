@@ -165,14 +165,14 @@ static inline __m256 q4_dot(const uint8_t *q, const float *xs) {
 ONE_ROW(q8_row, int8_t, q8_dot, 32)
 ONE_ROW(q4_row, uint8_t, q4_dot, 16)
 
-/* sum_b m_b xsum_b over a row's nb blocks. */
-static inline float minima_term(const float *mn, const float *xsum, int64_t nb) {
+/* sum(a[i] * b[i]) over i < n, eight lanes at a time. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b), _mm256_loadu_ps(xsum + b), acc);
-    float t = hsum(acc);
-    for (; b < nb; b++) t += mn[b] * xsum[b];
-    return t;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float r = hsum(acc);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
 }
 
 /* For the 4-bit row: the sums of x's one row per block of 32, xsum[nb], and xs[K], x with
@@ -351,7 +351,7 @@ void dolmus_q4_gemm_f32(const float *x, const uint8_t *q, const float *scale, co
             q4_row_inputs(x, nb, xsum, xs);
 #pragma omp parallel for schedule(static)
             for (int64_t n = 0; n < N; n++)
-                y[n] = q4_row(xs, q + n * nb * 16, scale + n * nb, nb) + minima_term(minimum + n * nb, xsum, nb);
+                y[n] = q4_row(xs, q + n * nb * 16, scale + n * nb, nb) + dot_f32(minimum + n * nb, xsum, nb);
             free(xsum);
             return;
         }
@@ -519,16 +519,6 @@ static inline __m256i q4_bytes(const uint8_t *q) {
     __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
     return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-}
-
-/* sum(a[i] * b[i]) over i < n, eight lanes at a time. */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float r = hsum(acc);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
 }
 
 /* One output row n of the 4-bit weight against row m of the int8 x: codes 0..15 (unsigned) by
