@@ -35,9 +35,14 @@
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
 #ifndef CHUNK_STEPS
-/* steps of 32 inputs per chunk: a panel's chunk is 32 KB, held in L1 (48 KB on Zen 5) with a block's
- * activations; against 16 KB, 1-4% faster from 64 rows up, the same below */
-#define CHUNK_STEPS 16
+/* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes over
+ * it (a layer of 896 inputs is one chunk). Each block loads and stores its sums once a chunk, and
+ * the sums, not L2's bandwidth, were what shorter chunks paid for: against chunks of 16 steps
+ * (32 KB, held in L1), on a Zen 4 (32 KB of L1) 1-5% faster from 8 rows up on weights in cache
+ * and the same or faster from memory (16 rows: q/k/v 110 -> 95 us), a 2,048-token prompt
+ * 3.96-3.99 -> 3.87-3.96 s; 8 steps lost 3-4% against 16 there (on a Zen 5, 16 had been 1-4%
+ * faster than 8 from 64 rows up) */
+#define CHUNK_STEPS 64
 #endif
 
 static inline __m512bh pair_of(const uint16_t *p) {
@@ -105,7 +110,7 @@ static void dp_steps_any(const uint16_t *pp, int64_t k0, int64_t k1, const uint1
 }
 
 /* Rows [0, M) (any M) of one panel -> y. The panel goes through in chunks of CHUNK_STEPS steps
- * (held in L1), every block of ROWS rows through a chunk before the next: the weights
+ * (held in L2), every block of ROWS rows through a chunk before the next: the weights
  * come from memory once, the sums wait in `acc` (M rounded up to ROWS, times 32 floats).
  * Every block asks for its share of the next chunk's lines: when the first block asked for all
  * of them, the requests came in a burst over a quarter of the time at 32 rows (the misses a core
