@@ -64,3 +64,20 @@ def test_sharded_checkpoint_with_index(model_root, llama_dir):
     prompts = random_prompts(lengths=(7, 70), seed=30)
     sharded = run_tokens(LLM(model=str(folder), dtype="float32"), prompts)
     assert sharded == run_tokens(LLM(model=str(llama_dir), dtype="float32"), prompts)
+
+
+def test_last_layer_for_the_sampled_rows_alone(model_dir):
+    """The last layer runs its o-projection and MLP for the rows a step samples alone (a prompt
+    chunk samples from its last row at most, one short of the prompt's end from none). Prompts
+    prefilled in chunks beside each other (64-token steps) give the first token the
+    distribution that the full forward over the same prompt gives (prompt_logprobs, which
+    computes every row)."""
+    vocab = 512
+    prompts = random_prompts(lengths=(5, 77, 150), seed=11)
+    llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, greedy(max_tokens=1, logprobs=vocab))
+    for prompt, out in zip(prompts, outs):
+        first = out.outputs[0].logprobs[0]
+        ours = torch.tensor([first[t] for t in range(vocab)])
+        full = llm.engine.prompt_logprobs(prompt)[-1]
+        assert torch.allclose(ours, full, atol=1e-5, rtol=0), len(prompt)

@@ -31,7 +31,8 @@ from dolmus.outputs import RequestOutput
 from dolmus.runtime import native
 from dolmus.runtime.cpu_profile import cpu_profile
 from dolmus.runtime.inflight import LaunchedStep
-from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
+from dolmus.runtime.model_runner import ModelRunner
+from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.sampling_params import SamplingParams, overlappable
 from dolmus.step import StepPlan, StepResult
 from dolmus.structured.backend import GrammarCache, make_backend, step_bitmask

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dolmus.executor.base import Executor
-from dolmus.runtime.model_runner import RunnerSpec
+from dolmus.runtime.runner_spec import RunnerSpec
 
 
 def make_executor(spec: RunnerSpec) -> Executor:

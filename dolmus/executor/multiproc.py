@@ -31,7 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dolmus.executor.base import Executor, RunnerInfo, WorkerDiedError
 from dolmus.executor.control import RankPlacement, control_port, digest, node_name, rank_name, with_heartbeats
 from dolmus.executor.worker import worker_main
-from dolmus.runtime.model_runner import RunnerSpec
+from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.step import StepPlan, StepResult, decode_result, encode
 
 logger = logging.getLogger(__name__)

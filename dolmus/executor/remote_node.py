@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dolmus.executor.control import RankPlacement, connect_dealer, control_port, node_name
 from dolmus.executor.worker import worker_main
-from dolmus.runtime.model_runner import RunnerSpec
+from dolmus.runtime.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import torch
 
 from dolmus.executor.base import Executor, RunnerInfo
 from dolmus.runtime.inflight import LaunchedStep
-from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
+from dolmus.runtime.model_runner import ModelRunner
+from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.step import StepPlan, StepResult
 
 

@@ -19,7 +19,8 @@ import zmq
 from dolmus.distributed.process_group import join_process_group, leave_process_group, pin_to_cores
 from dolmus.executor.base import RunnerInfo
 from dolmus.executor.control import RankPlacement, connect_dealer, digest, rank_name
-from dolmus.runtime.model_runner import ModelRunner, RunnerSpec
+from dolmus.runtime.model_runner import ModelRunner
+from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.step import decode_plan, encode
 
 _PR_SET_PDEATHSIG = 1

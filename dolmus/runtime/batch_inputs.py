@@ -48,6 +48,13 @@ class RunnerSequence:
         assert self.pending and position == len(self.token_ids), "a token neither known nor in flight"
         return -1 - self.inflight
 
+    def samples_after(self, n: int) -> bool:
+        """Whether a step that computes `n` more of its tokens samples for it: the chunk reaches
+        the end of what it holds (a prefill chunk short of the prompt's end does not), and it is
+        not an embedding request."""
+        reaches_end = self.num_computed_tokens + n == len(self.token_ids) + self.pending
+        return reaches_end and self.params.pooling is None
+
 
 def sampling_row(seq: RunnerSequence, grammar_row: int | None, upto: int | None = None) -> SamplingRow:
     """The row sampling the token after seq.token_ids[:upto] (all of them by default)."""

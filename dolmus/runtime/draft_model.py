@@ -82,7 +82,8 @@ class DraftModel:
         """Run the draft model on the target's step as laid out (prefill chunks and decodes;
         spans: request id, context before its tokens, how many), so a prompt's draft KV is
         written while the target prefills it, not in a later step that drafts."""
-        self.model(input_ids, positions, self.kv_caches, meta)
+        no_rows = torch.empty(0, dtype=torch.long, device=input_ids.device)  # only its KV is kept
+        self.model(input_ids, positions, self.kv_caches, meta, no_rows)
         for rid, start, n in spans:
             if self.computed.get(rid, 0) >= start:  # contiguous with what it has
                 self.computed[rid] = start + n

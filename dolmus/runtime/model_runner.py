@@ -9,9 +9,7 @@ requests whose chunk reached their last token, appending what it sampled to its 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +34,7 @@ from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
 from dolmus.runtime.pooler import Pooler
+from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.runtime.sampler import Sampler
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
@@ -43,35 +42,6 @@ from dolmus.spec.verify import accepted_tokens
 from dolmus.step import NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerSpec:
-    """Everything a runner is built from: plain data, so a worker process can build its own."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    model_path: Path
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    progress: bool = False
-    parallel: ParallelConfig = SINGLE_RANK  # the tensor-parallel rank this runner is
-    local_ranks: int = 1  # ranks sharing this host: they split its cores and, on CPU, its KV budget
-
-    def for_rank(self, rank: int, world_size: int, local_ranks: int) -> RunnerSpec:
-        """The spec as tensor-parallel rank `rank` builds it: its own GPU where there is one
-        per rank (its index on this host), progress bars on rank 0 only."""
-        device = self.device
-        if device.type == "cuda":
-            device = torch.device("cuda", rank % local_ranks)
-        return dataclasses.replace(
-            self,
-            device=device,
-            progress=self.progress and not rank,
-            parallel=ParallelConfig(rank, world_size, self.config.enable_expert_parallel),
-            local_ranks=local_ranks,
-        )
 
 
 class ModelRunner:
@@ -374,20 +344,6 @@ class ModelRunner:
                 chunks.append((rid, seq, n))
         # Decodes sorted by length, so similar lengths share a padded attention group.
         decodes.sort(key=lambda x: x[2])
-        fused = self.fused_decoder
-        if fused is not None and not chunks and len(decodes) <= fused.max_rows:
-            hidden = self.inputs.fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
-            self.fused_steps += 1
-        else:
-            entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
-            entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
-            input_ids, positions, meta = self.inputs.prepare(entries, len(decodes))
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if self.drafter is not None and chunks:  # prompts reach the draft model with the target
-                spans = [(rid, ctx, 1) for rid, _, ctx in decodes]
-                spans += [(rid, seq.num_computed_tokens, n) for rid, seq, n in chunks]
-                self.drafter.follow(input_ids, positions, meta, spans)
-
         # The flat rows of each request's positions, in position order (the sort is stable).
         rows_of: dict[str, list[int] | range]
         if drafts:
@@ -400,6 +356,25 @@ class ModelRunner:
         for rid, _, n in chunks:
             rows_of[rid] = range(offset, offset + n)
             offset += n
+        fused = self.fused_decoder
+        sampled_rows = None  # with prompt chunks: the only rows of `hidden` computed, in order
+        if fused is not None and not chunks and len(decodes) <= fused.max_rows:
+            hidden = self.inputs.fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
+            self.fused_steps += 1
+        else:
+            entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
+            entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
+            input_ids, positions, meta = self.inputs.prepare(entries, len(decodes))
+            if chunks and not drafts and self._reads_only_sampled_rows(scheduled):
+                sampled_rows = [rows_of[rid][-1] for rid, seq, n in scheduled if seq.samples_after(n)]
+                keep = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, keep)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if self.drafter is not None and chunks:  # prompts reach the draft model with the target
+                spans = [(rid, ctx, 1) for rid, _, ctx in decodes]
+                spans += [(rid, seq.num_computed_tokens, n) for rid, seq, n in chunks]
+                self.drafter.follow(input_ids, positions, meta, spans)
         # where each request's positions start, for the EAGLE head's catch-up after sampling
         first_position = {rid: seq.num_computed_tokens for rid, seq, _ in scheduled} if self.eagle else {}
         # Embedding requests: pooled from the final hidden states; they never sample.
@@ -409,9 +384,10 @@ class ModelRunner:
         for i, rid in enumerate(plan.grammar_request_ids):
             grammar_rows.setdefault(rid, i)
         for rid, seq, n in scheduled:
+            samples = seq.samples_after(n)
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens != len(seq.token_ids) + seq.pending or seq.params.pooling is not None:
-                continue  # a prefill chunk short of the prompt's end, or an embedding: no sample
+            if not samples:  # a prefill chunk short of the prompt's end, or an embedding
+                continue
             k = len(drafts[rid]) if drafts and rid in drafts else 0
             if not k and not grammar_rows:  # the common row, without the general case's lists
                 sample_index.append(rows_of[rid][-1])
@@ -430,7 +406,10 @@ class ModelRunner:
                 ids.append(rid)
         if not rows:
             return StepResult(embeddings=embeddings)
-        if sample_index == list(range(hidden.shape[0])):  # a plain decode step samples every row
+        if sampled_rows is not None:  # the model computed these rows alone, in this order
+            assert sample_index == sampled_rows, "sampled rows foreseen wrongly"
+            logits = self.model.compute_logits(hidden)
+        elif sample_index == list(range(hidden.shape[0])):  # a plain decode step samples every row
             logits = self.model.compute_logits(hidden)
         else:
             index = torch.tensor(sample_index, pin_memory=self.device.type == "cuda")
@@ -511,6 +490,13 @@ class ModelRunner:
             self.eagle.follow(spans, features, self.inputs.prepare)
         return result
 
+    def _reads_only_sampled_rows(self, scheduled: list[tuple[str, RunnerSequence, int]]) -> bool:
+        """Whether this step reads the final hidden states of its sampled rows alone: not where a
+        speculative head follows every position or an embedding request pools them."""
+        if self.eagle is not None or self.medusa is not None:
+            return False
+        return all(seq.params.pooling is None for _, seq, _ in scheduled)
+
     @torch.inference_mode()
     def prompt_logits(
         self, token_ids: list[int], num_computed: int, num_new: int, block_ids: list[int]
@@ -525,3 +511,4 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.note_pass()
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
+

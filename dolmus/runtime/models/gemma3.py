@@ -151,9 +151,21 @@ class Gemma3DecoderLayer(nn.Module):
         self.is_local = window is not None  # local rotary base too
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        kv_cache: PagedKV,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        """`rows`: only these rows come out (llama.py's DecoderLayer)."""
+        if rows is None:
+            h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        else:
+            h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rows)
+            x = x.index_select(0, rows)
+            if not len(rows):
+                return x
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
@@ -207,15 +219,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[PagedKV],
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inner = self.model
         x = inner.embed_tokens(input_ids) * inner.embed_scale
         global_cs, local_cs = inner.rotary.lookup(positions), inner.rotary_local.lookup(positions)
         captured = []
+        last = len(inner.layers) - 1
         for i, (layer, cache) in enumerate(zip(inner.layers, kv_caches)):
             if i in self.capture_layers:
                 captured.append(x)
-            x = layer(x, local_cs if layer.is_local else global_cs, cache, meta)
+            cs = local_cs if layer.is_local else global_cs
+            if i == last and rows is not None:
+                x = layer(x, cs, cache, meta, rows)
+            else:
+                x = layer(x, cs, cache, meta)
         if self.capture_layers:
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)

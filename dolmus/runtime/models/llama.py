@@ -119,8 +119,15 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        kv_cache: PagedKV,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`rows`: the only rows of the output the caller reads (every row's key and value still
+        go to the cache); the o-projection runs for them alone."""
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
         heads = self.num_heads + self.num_kv_heads
@@ -132,7 +139,10 @@ class Attention(nn.Module):
         qk = self.ops.rotary(qk, cos_sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window))
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        if rows is None:
+            return self.o_proj(out)
+        return self.o_proj(out.index_select(0, rows)) if len(rows) else x[:0]
 
 
 class MLP(nn.Module):
@@ -208,16 +218,24 @@ class DecoderLayer(nn.Module):
         cos_sin: CosSin,
         kv_cache: PagedKV,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None);
         residual: the stream before it. Returns this layer's MLP output and the stream before it:
         each residual add is done in place by the norm that follows it (one pass, as vLLM's
-        fused_add_rms_norm), with the bits of `x + residual` then the norm."""
+        fused_add_rms_norm), with the bits of `x + residual` then the norm. `rows`: only these
+        rows come out (the last layer's, where only the sampled rows are read)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.forward_add(x, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        if rows is None:
+            h = self.self_attn(h, cos_sin, kv_cache, meta)
+        else:
+            h = self.self_attn(h, cos_sin, kv_cache, meta, rows)
+            residual = residual.index_select(0, rows)
+            if not len(rows):  # no row read: the layer's keys and values were all it had to give
+                return h, residual
         h = self.post_attention_layernorm.forward_add(h, residual)
         return self.mlp(h), residual
 
@@ -294,15 +312,24 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[PagedKV],
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The final hidden states of every token, or with `rows` of those rows alone, in that
+        order: the last layer then runs its o-projection and MLP for them only (a prompt chunk
+        samples from its last row at most; llama.cpp skips the same work). Every token's key and
+        value are cached either way."""
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cos_sin = self.model.rotary.lookup(positions)
         captured = []
+        last = len(self.model.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
             if i in self.capture_layers:  # the stream entering layer i (layers add to it in place)
                 captured.append(x.clone() if residual is None else x + residual)
-            x, residual = layer(x, residual, cos_sin, cache, meta)
+            if i == last and rows is not None:
+                x, residual = layer(x, residual, cos_sin, cache, meta, rows)
+            else:
+                x, residual = layer(x, residual, cos_sin, cache, meta)
         if self.capture_layers:
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)

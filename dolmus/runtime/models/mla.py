@@ -168,8 +168,14 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, kv_cache: PagedKV, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        kv_cache: PagedKV,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`rows`: the only output rows the caller reads (llama.py's Attention)."""
         tokens, heads = x.shape[0], self.num_heads
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -191,6 +197,10 @@ class MLAAttention(nn.Module):
         query = torch.cat((q_latent, pe[:, :heads]), dim=-1)  # [T, H, lora + rope]
         key = torch.cat((latent, pe[:, heads]), dim=-1).unsqueeze(1)  # [T, 1, lora + rope]
         out = self.backend.forward(query, key, latent.unsqueeze(1), kv_cache, meta, self.scale)
+        if rows is not None:
+            if not len(rows):
+                return x[:0]
+            out, tokens = out.index_select(0, rows), len(rows)
         # each head's latent output into its value space: [H, T, lora] @ [H, lora, v_dim]
         out = torch.bmm(out.view(tokens, heads, self.lora).transpose(0, 1), w_uv.transpose(1, 2))
         return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
