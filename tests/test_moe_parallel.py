@@ -1,8 +1,9 @@
 """Mixture-of-Experts over two tensor-parallel ranks: a slice of every expert on each rank
 (tensor parallelism) or whole experts on each (expert parallelism) give one rank's greedy tokens,
 which are transformers', and its logits; experts that do not split over the ranks are refused by
-name. The expert-load counters add up to the tokens the model ran, times top_k, per MoE layer,
-in the engine's stats and on a real server's /metrics."""
+name. The expert-load counters add up to the tokens each MoE layer ran, times top_k, in the
+engine's stats and on a real server's /metrics: every token the model ran, except in the last
+layer, which runs a prompt's last row alone (the row it samples from)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,19 @@ def one_rank(moe_dir: Path) -> tuple[LLM, list[list[int]], torch.Tensor]:
     llm = LLM(str(moe_dir), **ENGINE)
     tokens = run_tokens(llm, prompts, greedy(NEW))
     assert tokens == [hf_greedy(moe_dir, p, NEW) for p in prompts]
-    assert _routed_per_layer(llm) == [_ran_tokens(prompts, llm) * TOP_K] * _moe_layers(moe_dir)
+    assert _routed_per_layer(llm) == _expected_per_layer(prompts, llm, moe_dir)
     return llm, tokens, llm.engine.prompt_logprobs(prompts[-1])
 
 
-def _moe_layers(folder: Path) -> int:
+def _expected_per_layer(prompts: list[list[int]], llm: LLM, folder: Path) -> list[int]:
+    """Tokens routed per MoE layer: every token run, times top_k; the last layer ran a prompt's
+    last row and the decoded tokens alone (each prompt's NEW sampled rows)."""
     raw = json.loads((folder / "config.json").read_text())
-    return raw["num_hidden_layers"] - len(raw.get("mlp_only_layers") or [])
+    dense = set(raw.get("mlp_only_layers") or [])
+    last = raw["num_hidden_layers"] - 1
+    ran = _ran_tokens(prompts, llm)
+    layers = [i for i in range(last + 1) if i not in dense]
+    return [(len(prompts) * NEW if i == last else ran) * TOP_K for i in layers]
 
 
 def _routed_per_layer(llm: LLM) -> list[int]:
@@ -65,7 +72,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(moe_dir: Path, one_rank, exp
     try:
         assert run_tokens(llm, prompts, greedy(NEW)) == want_tokens
         # routing is replicated: rank 0 counted every expert's tokens, its own or not
-        assert _routed_per_layer(llm) == [_ran_tokens(prompts, llm) * TOP_K] * _moe_layers(moe_dir)
+        assert _routed_per_layer(llm) == _expected_per_layer(prompts, llm, moe_dir)
         ours = llm.engine.prompt_logprobs(prompts[-1])
         torch.testing.assert_close(ours, want_logprobs, atol=1e-4, rtol=0)
     finally:
@@ -121,7 +128,8 @@ def test_served_with_expert_parallelism_the_metrics_count_every_routed_token(moe
         if key.startswith("dolmus:moe_expert_tokens_total{"):
             layer = re.search(r'layer="(\d+)"', key).group(1)  # type: ignore[union-attr]
             per_layer[layer] = per_layer.get(layer, 0) + value
-    assert per_layer == {"0": ran * TOP_K, "2": ran * TOP_K}  # layer 1 is dense
+    # layer 1 is dense; the last layer ran the prompt's last row and the decoded tokens alone
+    assert per_layer == {"0": ran * TOP_K, "2": usage["completion_tokens"] * TOP_K}
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_dir: Path, tmp_path: Path) -> None:

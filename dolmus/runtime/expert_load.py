@@ -10,7 +10,9 @@ layers x experts integers every REPORT_EVERY steps, and exact whenever the engin
 Routing is replicated over tensor-parallel ranks, expert parallelism included (every rank routes
 every token, and counts every expert, its own or not), so every rank reports the same counts;
 rank 0's, the ones the engine reads, are the whole truth. The counts include every pass of the
-target model: prompt tokens, generated tokens, verified drafts and prompt-logprob scoring.
+target model: prompt tokens, generated tokens, verified drafts and prompt-logprob scoring. They
+count the tokens each layer ran: the last layer runs its MLP for the rows a step samples from
+alone (runtime/models/llama.py), so there a prompt adds its last row, not its length.
 """
 
 from __future__ import annotations

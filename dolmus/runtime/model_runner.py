@@ -367,7 +367,7 @@ class ModelRunner:
             input_ids, positions, meta = self.inputs.prepare(entries, len(decodes))
             if chunks and not drafts and self._reads_only_sampled_rows(scheduled):
                 sampled_rows = [rows_of[rid][-1] for rid, seq, n in scheduled if seq.samples_after(n)]
-                keep = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
+                keep = torch.tensor(sampled_rows, dtype=torch.long).to(self.device, non_blocking=True)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, keep)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -511,4 +511,3 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.note_pass()
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
-

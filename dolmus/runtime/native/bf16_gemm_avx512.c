@@ -41,7 +41,8 @@
  * (32 KB, held in L1), on a Zen 4 (32 KB of L1) 1-5% faster from 8 rows up on weights in cache
  * and the same or faster from memory (16 rows: q/k/v 110 -> 95 us), a 2,048-token prompt
  * 3.96-3.99 -> 3.87-3.96 s; 8 steps lost 3-4% against 16 there (on a Zen 5, 16 had been 1-4%
- * faster than 8 from 64 rows up) */
+ * faster than 8 from 64 rows up). A library built for AMX takes amx_panel.h's 8 instead, for the
+ * rare host that refuses the tiles. */
 #define CHUNK_STEPS 64
 #endif
 

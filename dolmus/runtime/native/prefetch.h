@@ -7,8 +7,9 @@
  * every 4 KB page. Asking for each line twice, far ahead into L2 and nearer into L1, measured
  * ~20 GB/s at one row on a Qwen2.5-0.5B-shaped Q8_0 body (24 layers, 380 MB, out of cache;
  * int4 7.4 -> 17.5 GB/s), and the bf16 body's decode went from 35.8 to 37.6 tok/s against one
- * near T0 prefetch; the distances were swept (1-64 KB far, 1-8 KB near) and these were the best. Prefetches
- * past the end of a block land in the next block, usually the same thread's next one. */
+ * near T0 prefetch; the distances were swept (1-64 KB far, 1-8 KB near) and 16 KB / 4 KB were the
+ * best there; without AMX the far distance is 8 KB (below). Prefetches past the end of a block
+ * land in the next block, usually the same thread's next one. */
 #ifndef DOLMUS_PREFETCH_H
 #define DOLMUS_PREFETCH_H
 
