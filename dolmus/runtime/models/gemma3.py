@@ -159,10 +159,8 @@ class Gemma3DecoderLayer(nn.Module):
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rows`: only these rows come out (llama.py's DecoderLayer)."""
-        if rows is None:
-            h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        else:
-            h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rows)
+        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rows)
+        if rows is not None:
             x = x.index_select(0, rows)
             if not len(rows):
                 return x
@@ -230,10 +228,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             if i in self.capture_layers:
                 captured.append(x)
             cs = local_cs if layer.is_local else global_cs
-            if i == last and rows is not None:
-                x = layer(x, cs, cache, meta, rows)
-            else:
-                x = layer(x, cs, cache, meta)
+            x = layer(x, cs, cache, meta, rows if i == last else None)
         if self.capture_layers:
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)

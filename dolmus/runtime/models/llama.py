@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """`mlp`: the feed-forward block when it is not the dense one (a Mixture-of-Experts);
         `window`: the layer's sliding attention window; `attention`: the attention block when it
-        is not this file's (DeepSeek's MLA), called as attention(x, cos_sin, kv_cache, meta)."""
+        is not this file's (DeepSeek's MLA), called as attention(x, cos_sin, kv_cache, meta, rows)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if attention is None:
@@ -229,10 +229,8 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.forward_add(x, residual)
-        if rows is None:
-            h = self.self_attn(h, cos_sin, kv_cache, meta)
-        else:
-            h = self.self_attn(h, cos_sin, kv_cache, meta, rows)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, rows)
+        if rows is not None:
             residual = residual.index_select(0, rows)
             if not len(rows):  # no row read: the layer's keys and values were all it had to give
                 return h, residual
@@ -326,10 +324,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
             if i in self.capture_layers:  # the stream entering layer i (layers add to it in place)
                 captured.append(x.clone() if residual is None else x + residual)
-            if i == last and rows is not None:
-                x, residual = layer(x, residual, cos_sin, cache, meta, rows)
-            else:
-                x, residual = layer(x, residual, cos_sin, cache, meta)
+            x, residual = layer(x, residual, cos_sin, cache, meta, rows if i == last else None)
         if self.capture_layers:
             order = sorted(set(self.capture_layers))
             self.captured = torch.cat([captured[order.index(i)] for i in self.capture_layers], dim=-1)
