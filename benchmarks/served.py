@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +56,16 @@ def bench(
     base_url: str, model: str, tokenizer: str, load: Load, input_len: str, output_len: str, out: Path
 ) -> tuple[dict, float]:
     """Run `dolmus bench` once; return its run (results.json) and the CPU pressure during it
-    (share of the time some task waited for a core; above ~5% the run was disturbed)."""
+    (share of the time some task waited for a core; above ~5% the run was disturbed).
+
+    Each load draws its prompts from its own seed (its name's CRC): with one seed for all, a
+    load's first prompts were the previous load's, already in the server's prefix cache (half
+    of the 32-user load's prompts after the 8-user one), which flattered both servers' prompt
+    processing. Both servers get the same prompts for a load."""
     psi, t = cpu_pressure_total(), time.monotonic()
     code = dolmus_main(
         ["bench", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer]
+        + ["--seed", str(zlib.crc32(load.name.encode()))]
         + ["--concurrency", str(load.concurrency), "--num-requests", str(load.requests)]
         + ["--input-len", input_len, "--output-len", output_len, *load.flags]
         + ["--no-progress", "--out", str(out)]

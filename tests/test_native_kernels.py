@@ -129,12 +129,16 @@ def test_residual_add_and_norm_in_one_pass_equal_the_two_kernels(rows: int) -> N
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 64), (14, 2, 64), (4, 1, 128)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 64), (8, 2, 64), (14, 2, 64), (16, 2, 64), (4, 1, 128), (8, 1, 128), (6, 2, 48)],
 )
 @pytest.mark.parametrize("lengths", [[1, 16, 17, 70], [1, 2, 16, 17, 33, 40, 64, 70, 5, 80]])
 def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim, lengths) -> None:
     """Sequences of different lengths (1 to several blocks) over scattered blocks. Four sequences
-    go one KV head per work item; ten (past four per thread) all of a sequence's heads in one."""
+    go one KV head per work item; ten (past four per thread) all of a sequence's heads in one.
+    Head groups of 1, 4, 7 and 8 at 64 (values weighed 7 heads a pass: one pass, and 7 + 1), of 4
+    and 8 at 128 (3 a pass: 3 + 1, 3 + 3 + 2), and a head size that is not a multiple of 32
+    (two heads a pass, values widened 16 at a time)."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     bs, lengths = 16, torch.tensor(lengths)
     n, num_blocks = len(lengths), 5
