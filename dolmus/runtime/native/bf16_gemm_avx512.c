@@ -35,14 +35,14 @@
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
 #ifndef CHUNK_STEPS
-/* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes over
- * it (a layer of 896 inputs is one chunk). Each block loads and stores its sums once a chunk, and
- * the sums, not L2's bandwidth, were what shorter chunks paid for: against chunks of 16 steps
- * (32 KB, held in L1), on a Zen 4 (32 KB of L1) 1-5% faster from 8 rows up on weights in cache
- * and the same or faster from memory (16 rows: q/k/v 110 -> 95 us), a 2,048-token prompt
- * 3.96-3.99 -> 3.87-3.96 s; 8 steps lost 3-4% against 16 there (on a Zen 5, 16 had been 1-4%
- * faster than 8 from 64 rows up). A library built for AMX takes amx_panel.h's 8 instead, for the
- * rare host that refuses the tiles. */
+/* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes
+ * over it (a layer of 896 inputs is one chunk). Each block stores its sums once a chunk (and loads
+ * them again for every chunk but the first), and the sums, not L2's bandwidth, were what shorter
+ * chunks paid for: against chunks of 16 steps (32 KB, held in L1), on a Zen 4 (32 KB of L1) 1-5%
+ * faster from 8 rows up on weights in cache and the same or faster from memory (16 rows: q/k/v 110
+ * -> 95 us), a 2,048-token prompt 3.96-3.99 -> 3.87-3.96 s; 8 steps lost 3-4% against 16 there (on
+ * a Zen 5, 16 had been 1-4% faster than 8 from 64 rows up). A library built for AMX takes
+ * amx_panel.h's 8 instead, for the rare host that refuses the tiles. */
 #define CHUNK_STEPS 64
 #endif
 
@@ -54,11 +54,10 @@ static inline __m512bh pair_of(const uint16_t *p) {
 
 /* Steps [k0, k1) of rows [0, R) of x (rows ldx apart, whole steps of 32 inputs) times panel pp,
  * added to the sums in acc (R rows of 32 floats: outputs 0-15, then 16-31), or stored there when
- * k0 is 0 (no memset of acc before a panel: 4 KB a panel at 32 rows was 2% of a decode step
- * of 32 sequences). R is a constant at
- * each call site, so the loops over rows unroll and the sums stay in registers. Lines [pf_lo,
- * pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and the block whose share
- * starts at line 0 also brings the next steps into L1. */
+ * k0 is 0 (clearing acc before each panel, 4 KB at 32 rows, was 2% of a decode step of 32
+ * sequences). R is a constant at each call site, so the loops over rows unroll and the sums stay
+ * in registers. Lines [pf_lo, pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and
+ * the block whose share starts at line 0 also brings the next steps into L1. */
 static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, int64_t k0, int64_t k1,
                                                               const uint16_t *x, int64_t ldx, const int R,
                                                               float *acc, int pf_lo, int pf_hi) {

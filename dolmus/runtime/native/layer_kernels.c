@@ -79,7 +79,8 @@ static inline __mmask16 first_lanes(int64_t count) {
 }
 
 /* Query heads per pass over the values (registers: 2 sums of 16 floats per head and 32 values,
- * d / 32 of those, plus the two halves of one load). */
+ * d / 32 of those, plus the two halves of one load): 7 for 64-element heads, 3 for the others
+ * that weigh_values takes (32, 96, 128). */
 #define VALUE_HEADS_64 7
 #define VALUE_HEADS_128 3
 
@@ -93,7 +94,7 @@ static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v
                                                                   int64_t len, const float *scores, const int H,
                                                                   const int64_t d, uint16_t *out) {
     const int64_t loads = d / 32;
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i high = _mm512_set1_epi32(-65536); /* 0xFFFF0000 */
     __m512 even[7][4], odd[7][4];
     for (int g = 0; g < H; g++)
         for (int64_t c = 0; c < loads; c++) even[g][c] = odd[g][c] = _mm512_setzero_ps();
@@ -120,7 +121,9 @@ static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v
 
 /* The query heads q[g][d] (bf16) sharing KV head h attend to its `len` cached positions;
  * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
- * 16 positions at a time; values are weighed in float32 (weigh_values). */
+ * 16 positions at a time; values are weighed in float32 (weigh_values). `ahead` >= 0: while the
+ * first head computes its scores, ask for each row's values and for the `ahead` bytes after its
+ * key and value rows (the work item's later KV heads in the same slot); -1: ask for nothing. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
     int64_t len, int64_t group, const int64_t d, float scale, float *scores, uint16_t *out, int64_t ahead) {
@@ -247,7 +250,8 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
              * brought into the TLB. Blocks are scattered, and each block's rows were a cold
              * stream that every head met in turn (24 layers of 32 sequences of 190 positions,
              * blocks shuffled, a Zen 4: 7.7-11 -> 6.7-7.4 ms; asking for the next rows' keys
-             * too was no faster) */
+             * too was no faster). Long contexts too, though their rows outgrow L2 before their
+             * use (L3 still has them): 2,000 positions 103-110 -> 88-89 ms */
             int64_t ahead = h == h0 ? 2 * d * (per_item - 1) : -1;
             for (int64_t p = 0, b = first / bs, i = first % bs; p < len; p++) {
                 rows[p] = ((table[b] * bs + i) * hkv + h) * d;
