@@ -12,7 +12,8 @@ bf16_linear.py does), and the round's share of the roofline uses their mean.
     python benchmarks/decode_roofline.py [--rounds 5] [--tokens 64]
 
 Printed per weight format: the median decode tok/s, bandwidth and share of the roofline over
-the rounds, and the CPU pressure over the run (above ~5% the figures are disturbed).
+the rounds, and the CPU pressure and steal over the run (above ~5% pressure or ~1% steal the
+figures are disturbed).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from pressure import cpu_pressure_total  # noqa: E402
+from pressure import cpu_pressure_total, cpu_steal_seconds, steal_share  # noqa: E402
 
 THREADS = 2
 CONFIGS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4 g32": {"quantization": "int4"}}
@@ -49,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     print(cpu_profile().summary(), flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    psi, start = cpu_pressure_total(), time.monotonic()
+    psi, steal, start = cpu_pressure_total(), cpu_steal_seconds(), time.monotonic()
     rows = []
     for name, kw in CONFIGS.items():
         llm = LLM(model=str(llama_body_dir()), dtype=args.dtype, num_threads=THREADS, **kw)
@@ -72,7 +73,8 @@ def main() -> None:
         rows.append((name, nbytes, statistics.median(speeds), statistics.median(bandwidths), shares))
         del llm
         gc.collect()
-    pressure = (cpu_pressure_total() - psi) / 1e6 / (time.monotonic() - start)
+    seconds = time.monotonic() - start
+    pressure, stolen = (cpu_pressure_total() - psi) / 1e6 / seconds, steal_share(steal, seconds)
     print("\n| weights | MB per token | decode tok/s | read bandwidth | roofline share (median, range) |")
     print("| --- | --- | --- | --- | --- |")
     for name, nbytes, speed, bandwidth, shares in rows:
@@ -80,7 +82,7 @@ def main() -> None:
             f"| {name} | {nbytes / 1e6:.0f} | {speed:.1f} | {bandwidth / 1e9:.1f} GB/s "
             f"| {statistics.median(shares):.0%} ({min(shares):.0%}-{max(shares):.0%}) |"
         )
-    print(f"CPU pressure over the run: {100 * pressure:.1f}%")
+    print(f"CPU pressure over the run: {100 * pressure:.1f}%, steal {100 * stolen:.1f}%")
 
 
 if __name__ == "__main__":

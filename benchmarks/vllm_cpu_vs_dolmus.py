@@ -3,8 +3,10 @@ same bf16 weights.
 
 One run: start vLLM's OpenAI server on the weights, run `dolmus bench` at each load against
 it, stop it, then the same against `dolmus serve`, and print both side by side with the
-ratios. The servers never run at the same time; each run's CPU pressure is printed (vLLM's
-processes busy-poll, so its own pressure is high; ours above ~5% means a disturbed run). Then
+ratios. The servers never run at the same time; each run's CPU pressure and steal are printed
+(vLLM's processes busy-poll, so its own pressure is high; ours above ~5%, or a steal above ~1%
+for either, means a disturbed run: steal is the hypervisor giving our cores to another guest,
+which pressure does not see). Then
 the batch-1 roofline: the weights' bytes per token over the machine's measured read bandwidth.
 
 Weights: the random Llama with Qwen2.5-0.5B's body and a 512-token vocabulary
@@ -47,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from served import Load, bench, itl_max, print_table, start_peer  # noqa: E402
+from served import Disturbance, Load, bench, itl_max, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
@@ -95,7 +97,7 @@ def main() -> None:
     model = llama_body_dir()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    runs: dict[str, list[tuple[dict, float]]] = {}
+    runs: dict[str, list[tuple[dict, Disturbance]]] = {}
     names = [n for n, skip in (("vLLM-CPU", args.skip_vllm), ("dolmus", args.skip_dolmus)) if not skip]
     for name in names:
         print(f"\n=== {name} ===", flush=True)
@@ -130,13 +132,13 @@ def main() -> None:
         f"{args.input_len} in / {args.output_len} out, {THREADS} threads, greedy"
     )
     if len(names) == 1:
-        for load, (run, pressure) in zip(loads, runs[names[0]]):
+        for load, (run, disturbed) in zip(loads, runs[names[0]]):
             s = run["summary"]
             print(
                 f"{load.name}: {s['output_throughput']:.1f} tok/s, TTFT p50/p99 {1e3 * s['ttft']['p50']:.0f}"
                 f" / {1e3 * s['ttft']['p99']:.0f} ms, TPOT p50 {1e3 * s['tpot']['p50']:.1f} ms, "
                 f"ITL p99 / max {1e3 * s['itl']['p99']:.0f} / {1e3 * itl_max(run):.0f} ms, "
-                f"CPU pressure {100 * pressure:.1f}%"
+                f"CPU pressure / steal {disturbed}"
             )
     else:
         print_table("vLLM-CPU", loads, runs)
