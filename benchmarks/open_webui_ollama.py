@@ -1,8 +1,8 @@
 """`open_webui_chat.py --ollama`: Open WebUI in front of dolmus' *Ollama* API.
 
-Same harness as benchmarks/open_webui_chat.py (dolmus, the optional recording proxy, Open
-WebUI with every download and background task off), but Open WebUI gets one Ollama
-connection (ENABLE_OLLAMA_API=True, OLLAMA_BASE_URL=http://127.0.0.1:<dolmus>,
+Same harness as benchmarks/open_webui_chat.py (benchmarks/open_webui_harness.py: dolmus, the
+optional recording proxy, Open WebUI with every download and background task off), but Open
+WebUI gets one Ollama connection (ENABLE_OLLAMA_API=True, OLLAMA_BASE_URL=http://127.0.0.1:<dolmus>,
 ENABLE_OPENAI_API=False) and no OpenAI one. Checked through Open WebUI's REST API:
 
 1. GET /api/models lists the dolmus model as its Ollama connection names it (`<served>:latest`);
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from open_webui_chat import (
+from open_webui_harness import (
     OpenWebUI,
     RecordingProxy,
-    _cpu_pressure,
-    _finished,
+    cpu_pressure,
+    finished_message,
     message_text,
+    owui_version,
     print_records,
     show,
     sse_events,
@@ -37,15 +37,6 @@ from open_webui_chat import (
 )
 
 from dolmus.bench.spawn import ServerProcess
-
-
-def _owui_version(exe: Path) -> str:
-    return subprocess.run(
-        [str(exe.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('open-webui'))"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
 
 
 def run_ollama(args: argparse.Namespace) -> int:
@@ -57,9 +48,9 @@ def run_ollama(args: argparse.Namespace) -> int:
             failures.append(what)
 
     tmp = Path(tempfile.mkdtemp(prefix="owui-ollama-"))
-    print(f"logs and Open WebUI data in {tmp}; CPU pressure (last 60 s): {_cpu_pressure()}")
+    print(f"logs and Open WebUI data in {tmp}; CPU pressure (last 60 s): {cpu_pressure()}")
     print(
-        f"open-webui {_owui_version(Path(args.owui)) or '(version unknown)'}; model {args.model}; Ollama mode"
+        f"open-webui {owui_version(Path(args.owui)) or '(version unknown)'}; model {args.model}; Ollama mode"
     )
 
     served = ["--served-model-name", args.served_model_name] if args.served_model_name else []
@@ -130,7 +121,7 @@ def run_ollama(args: argparse.Namespace) -> int:
 
         print("\nchat page mode: Open WebUI parses the stream and stores the answer")
         chat_id, message_id = ui_chat(owui, model, args.prompt, dict(limits))
-        message = wait_for(lambda: _finished(owui, chat_id, message_id), 180)
+        message = wait_for(lambda: finished_message(owui, chat_id, message_id), 180)
         check(message is not None, "answer stored and marked done")
         if message:
             show("stored answer", message_text(message))
@@ -182,6 +173,6 @@ def run_ollama(args: argparse.Namespace) -> int:
             proxy.stop()
         dolmus.stop()
 
-    print(f"CPU pressure (share of time a task waited for a core, last 60 s): {_cpu_pressure()}")
+    print(f"CPU pressure (share of time a task waited for a core, last 60 s): {cpu_pressure()}")
     print(f"\n{len(failures)} checks failed" + (": " + "; ".join(failures) if failures else ""))
     return 1 if failures else 0

@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 
-from dolmus.cli import build_parser, engine_config_from_args
+from dolmus.cli import build_parser
 from dolmus.config import EngineConfig
 from dolmus.config.server import ServerConfig
+from dolmus.engine_args import engine_config_from_args
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

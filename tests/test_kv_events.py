@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from dolmus import LLM, SamplingParams
-from dolmus.cli import build_parser, engine_config_from_args
+from dolmus.cli import build_parser
 from dolmus.config import EngineConfig
 from dolmus.config.kv import KVEventsConfig
 from dolmus.engine.kv_cache import KVCacheManager, RemovedBlocks, StoredBlocks, hash_block
@@ -29,6 +29,7 @@ from dolmus.engine.kv_events import (
     external_hash,
 )
 from dolmus.engine.request import Request
+from dolmus.engine_args import engine_config_from_args
 
 BS = 16
 PER_BLOCK = BS * 5 * 2 * 4 * 8 * 4  # a block of the built-in model: layers, K/V, kv heads, dims, fp32

@@ -305,7 +305,8 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama_dir: Path, fitted, t
 
 
 def test_the_cli_takes_medusa_like_the_other_methods(fitted):
-    from dolmus.cli import build_parser, engine_config_from_args
+    from dolmus.cli import build_parser
+    from dolmus.engine_args import engine_config_from_args
 
     heads = str(fitted[0])
     text = json.dumps({"method": "medusa", "model": heads, "num_speculative_tokens": 2})

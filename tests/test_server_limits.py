@@ -11,6 +11,7 @@ from server_helpers import RemoteServer
 
 from dolmus import cli
 from dolmus.config.server import ServerConfig
+from dolmus.engine_args import config_from_args
 
 MODEL = "stories260k"
 PROMPT = "Once upon a time"
@@ -34,8 +35,8 @@ def test_serve_flags_map_onto_server_config() -> None:
     cli._add_serve_args(parser)
     args = parser.parse_args([])
     assert set(vars(ServerConfig())) <= set(vars(args))
-    assert cli._config_from_args(ServerConfig, args) == ServerConfig()
-    assert cli._config_from_args(ServerConfig, parser.parse_args(["--max-n", "7"])).max_n == 7
+    assert config_from_args(ServerConfig, args) == ServerConfig()
+    assert config_from_args(ServerConfig, parser.parse_args(["--max-n", "7"])).max_n == 7
     with pytest.raises(ValueError, match="max_n"):
         ServerConfig(max_n=0)
 

@@ -18,12 +18,10 @@ from dolmus.config import EngineConfig, ModelConfig, SpeculativeConfig
 from dolmus.engine import engine_report
 from dolmus.engine.admission import AdmissionControl, RequestRefused, kv_fetch_failed, queue_timeout
 from dolmus.engine.detokenizer import IncrementalDetokenizer
-from dolmus.engine.kv_cache import KVCacheManager
-from dolmus.engine.kv_events import make_publisher
-from dolmus.engine.kv_transfers import KVConnectorScheduler, make_scheduler_connector
+from dolmus.engine.kv_setup import build_kv_side, fit_max_model_len
 from dolmus.engine.request import Request, RequestStatus
 from dolmus.engine.request_group import CHILD_SEP, RequestGroup
-from dolmus.engine.scheduler import Scheduler, SchedulerOutput, step_token_ceiling
+from dolmus.engine.scheduler import Scheduler, SchedulerOutput
 from dolmus.engine.stats import EngineStats, RequestSummary
 from dolmus.engine.tokenizing import load_tokenizer, tokenize_prompt
 from dolmus.executor import Executor, WorkerDiedError, make_executor
@@ -68,37 +66,11 @@ class Engine:
         spec = RunnerSpec(config, mc, path, self.device, self.dtype, self.max_model_len, progress)
         self.executor = executor or make_executor(spec)
         num_blocks = self.executor.info.num_blocks
-        try:  # last to fail: a port in use must not leave worker processes behind
-            self._kv_events = make_publisher(config.kv_events_config, config.block_size)
-        except Exception:
-            self.executor.shutdown()
-            raise
-        if self._kv_events is not None and not config.enable_prefix_caching:
-            logger.warning("KV cache events are on but prefix caching is off: there will be none")
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, self._kv_events is not None
+        self._kv_events, self.kv, self.connector = build_kv_side(config, mc.kv_window, self.executor)
+        budget = config.resolve_batched_tokens(self.device, self.executor.info.step_tokens)
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, num_blocks, config.block_size, self.kv.window, budget
         )
-        info = self.executor.info
-        try:  # nor a shared KV store that does not answer
-            self.connector: KVConnectorScheduler | None = make_scheduler_connector(
-                config,
-                self.kv,
-                info.kv_block_bytes,
-                info.kv_tier_inventory,
-                config.tensor_parallel_size,
-                info.kv_layout_key,
-            )
-        except Exception:
-            self.executor.shutdown()
-            if self._kv_events is not None:
-                self._kv_events.close()
-            raise
-        # Every layer windowed: a request gives back the blocks behind its window as it runs. Not
-        # with a KV connector, which saves and loads a request's whole table by its hashes.
-        if self.connector is None:
-            self.kv.window = mc.kv_window
-        budget = config.resolve_batched_tokens(self.device, info.step_tokens)
-        self._fit_max_model_len(num_blocks, budget)
         speculative = config.speculative_config
         assert speculative is None or isinstance(speculative, SpeculativeConfig)
         self.scheduler = Scheduler(
@@ -161,24 +133,6 @@ class Engine:
             self._kv_events.close()
         if self.connector is not None:
             self.connector.close()
-
-    def _fit_max_model_len(self, num_blocks: int, budget: int) -> None:
-        """Lower max_model_len to what the KV cache holds, unless requests give back blocks
-        behind a sliding window: then any length runs in the blocks of one window and a step's
-        chunk (prompt_logprobs, which holds a whole text at once, checks its own room)."""
-        bs = self.config.block_size
-        window = self.kv.window
-        # the step's ceiling even where tiers or an ITL target keep it at the budget: conservative
-        if window is not None and num_blocks >= -(-(window + step_token_ceiling(budget)) // bs) + 1:
-            return
-        capacity = num_blocks * bs
-        if capacity < self.max_model_len:
-            logger.warning(
-                "max_model_len lowered from %d to %d: the KV cache holds no more",
-                self.max_model_len,
-                capacity,
-            )
-            self.max_model_len = capacity
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings

@@ -22,6 +22,8 @@ takes the tail too (the step then exceeds the budget by that much, at most): a 2
 prompt under a 2048-token budget otherwise pays a whole step, ~30-60 ms on a CPU, for its
 last token. Only where nothing holds tokens back: no tier reserves a share of the budget and
 no ITL target limits the prompts' share this step.
+
+The step goes to the runner as a diff against what it already holds (plan_diff.py keeps track).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from dolmus.config import SpeculativeConfig, TierSpec
 from dolmus.engine.draft_planner import DraftPlanner, SpecStats
 from dolmus.engine.kv_cache import KVBlock, KVCacheManager
 from dolmus.engine.kv_transfers import KVConnectorScheduler, LoadOutcome
+from dolmus.engine.plan_diff import PlanDiff
 from dolmus.engine.request import Request, RequestStatus, ScheduledRequest
 from dolmus.engine.step_timing import StepTimes
 from dolmus.engine.tier_book import KV, SEATS, TierBook
 from dolmus.engine.waiting_queue import WaitingQueue
-from dolmus.step import NewRequest, StepPlan, StepResult
+from dolmus.step import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +98,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._finished_ids: list[str] = []
-        # What the runner holds: request id -> how many of its block ids it has been sent.
-        self._sent_blocks: dict[str, int] = {}
+        self.diff = PlanDiff(kv)  # what the runner holds; each plan is a diff against it
         self.book = TierBook(
             tiers, max_num_seqs, kv.pool.num_blocks, max_num_batched_tokens, kv.num_held_blocks
         )
@@ -138,7 +139,7 @@ class Scheduler:
             self.kv.free(request)
         request.status = status
         request.timings.finished = time.monotonic()
-        self._finished_ids.append(request_id)
+        self.diff.finished(request_id)
         if self.drafts is not None:  # suffix drafts are made of finished outputs
             aborted = status == RequestStatus.FINISHED_ABORTED
             self.drafts.proposer.finished(request_id, None if aborted else request.output_token_ids)
@@ -259,7 +260,7 @@ class Scheduler:
         if self.drafts is not None and budget > 0 and not preempted:
             self.drafts.add_drafts(scheduled, budget, len(self.running))
         out_list = list(scheduled.values())
-        plan = self._plan(out_list, preempted)
+        plan = self.diff.plan(out_list, preempted)
         if ahead:
             for item in out_list:
                 request = item.request
@@ -312,40 +313,6 @@ class Scheduler:
             if not self.book.shields(candidate, request, KV, self.running):
                 return candidate
         return request
-
-    def _plan(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> StepPlan:
-        """The step as a diff against what the runner already holds."""
-        plan = StepPlan(finished_ids=self._finished_ids)
-        self._finished_ids = []
-        for rid in plan.finished_ids:
-            self._sent_blocks.pop(rid, None)
-        for request in preempted:
-            if self._sent_blocks.pop(request.request_id, None) is not None:
-                plan.preempted_ids.append(request.request_id)
-        for item in scheduled:
-            r = item.request
-            rid = r.request_id
-            sent = self._sent_blocks.get(rid)
-            if sent is None:
-                plan.new_requests.append(
-                    NewRequest(
-                        request_id=rid,
-                        token_ids=list(r.all_token_ids),
-                        num_prompt_tokens=r.num_prompt_tokens,
-                        params=r.params,
-                        seed=r.seed,
-                        stop_token_ids=sorted(r.stop_token_ids),
-                        block_ids=self.kv.block_ids(rid),
-                        num_computed_tokens=r.num_computed_tokens,
-                    )
-                )
-            else:  # only the blocks gained since the last step, not the whole table again
-                plan.running.append(rid, self.kv.block_ids(rid, sent), r.num_computed_tokens)
-            self._sent_blocks[rid] = self.kv.num_blocks_of(rid)
-            plan.num_scheduled_tokens[rid] = item.num_new_tokens
-            if item.drafts:
-                plan.draft_token_ids[rid] = item.drafts
-        return plan
 
     def _admit(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> str | None:
         """Move a waiting request to running if a seat and blocks are free;

@@ -1,6 +1,6 @@
 """The runner's copy of each scheduled request, and a step's inputs laid out from those copies.
 
-`RunnerSequence` is what the runner keeps of a request between steps (runtime/model_runner.py
+`RunnerSequence` is what the runner keeps of a request between steps (runtime/persistent_batch.py
 updates it from each plan's diff). `BatchInputs` turns the entries of one step (a sequence,
 the context before its tokens, how many tokens) into the flat input ids and positions and the
 attention backend's metadata, or into the columns a fused decode step reads. The index

@@ -1,10 +1,11 @@
 """Owns the model and the KV-cache memory; turns a StepPlan into a StepResult.
 
 It never decides who runs. It keeps its own copy of every scheduled request (token ids, a
-row of a persistent block-table tensor, sampling settings), updated from each plan's diff;
-lays the scheduled tokens out as one flat batch (decodes first, then prefill chunks); has the
-attention backend describe where each token's K/V lives; runs the model; and samples for the
-requests whose chunk reached their last token, appending what it sampled to its copy.
+row of a persistent block-table tensor, sampling settings), updated from each plan's diff
+(runtime/persistent_batch.py); lays the scheduled tokens out as one flat batch (decodes
+first, then prefill chunks); has the attention backend describe where each token's K/V
+lives; runs the model; and samples for the requests whose chunk reached their last token,
+appending what it sampled to its copy.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dolmus.runtime import native
 from dolmus.runtime.attention import AttentionBackend, get_backend
 from dolmus.runtime.attention.kv_store import make_kv_store
 from dolmus.runtime.batch_inputs import BatchInputs, RunnerSequence, sampling_row
-from dolmus.runtime.block_table import BlockTable
 from dolmus.runtime.cpu_profile import usable_cores
 from dolmus.runtime.cuda_graphs import CudaGraphDecoder, graphs_emulated
 from dolmus.runtime.draft_loading import Target, load_drafters
@@ -33,13 +33,14 @@ from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suit
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.persistent_batch import PersistentBatch
 from dolmus.runtime.pooler import Pooler
 from dolmus.runtime.runner_spec import RunnerSpec
 from dolmus.runtime.sampler import Sampler
 from dolmus.sampling_params import SamplingParams
 from dolmus.spec.proposer import DRAFTED_BY_RUNNER
 from dolmus.spec.verify import accepted_tokens
-from dolmus.step import NewRequest, StepPlan, StepResult
+from dolmus.step import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +162,21 @@ class ModelRunner:
         # async scheduling: the last step's sampled tokens, where the next step's inputs read them
         self.inflight = InflightTokens(config.max_num_seqs, device) if config.async_steps(device) else None
         self.draft_sampling = DraftSampling(self.sampler)  # drafts chosen, their q rows kept
-        # The persistent batch: one block-table row per held request, rows reused as they free up.
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
-        self.sequences: dict[str, RunnerSequence] = {}
-        self.inputs = BatchInputs(
-            self.table, self.block_size, self.max_blocks_per_seq, self.attention, device, dtype, self.inflight
-        )
         self.pooler = Pooler()  # embedding requests' running sums (runtime/pooler.py)
+        # The persistent batch (runtime/persistent_batch.py): a copy of each held request.
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        others = [x for x in (self.pooler, self.drafter, self.eagle, self.medusa) if x is not None]
+        self.batch = PersistentBatch(config.max_num_seqs, self.max_blocks_per_seq, others, self._table_grew)
+        self.sequences = self.batch.sequences
+        self.inputs = BatchInputs(
+            self.batch.table,
+            self.block_size,
+            self.max_blocks_per_seq,
+            self.attention,
+            device,
+            dtype,
+            self.inflight,
+        )
         pools = list(self.kv_caches)  # every pool that shares the block ids moves with a block
         pools += self.drafter.kv_caches if self.drafter is not None else []
         pools += [self.eagle.kv_cache] if self.eagle is not None and self.eagle.kv_cache is not None else []
@@ -205,7 +213,7 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             self.attention,
-            self.table.mirror(self.device),  # the graphs read the table there, by seat
+            self.batch.table.mirror(self.device),  # the graphs read the table there, by seat
             rows,
             self.block_size,
             self.num_blocks * self.block_size,
@@ -215,58 +223,11 @@ class ModelRunner:
         decoder.capture()
         return decoder
 
-    # -- the persistent batch -----------------------------------------------------------
-
-    def _apply_diff(self, plan: StepPlan) -> None:
-        for rid in plan.finished_ids:
-            self._drop(rid)
-        for rid in plan.preempted_ids:
-            self._drop(rid)
-        for new in plan.new_requests:
-            self._add(new)
-        running = plan.running
-        for rid, blocks, computed in zip(
-            running.request_ids, running.new_block_ids, running.num_computed_tokens
-        ):
-            seq = self.sequences[rid]
-            self._append_blocks(seq, blocks)
-            seq.num_computed_tokens = computed
-        self.table.flush()
-
-    def _add(self, new: NewRequest) -> None:
-        if new.request_id in self.sequences:
-            raise ValueError(f"step plan: request {new.request_id!r} is already held by the runner")
-        row = self.table.take_seat()
-        if self.table.grew and isinstance(self.fused_decoder, CudaGraphDecoder):
+    def _table_grew(self) -> None:
+        """More requests held than max_num_seqs seats: the table was replaced under the graphs."""
+        if isinstance(self.fused_decoder, CudaGraphDecoder):
             logger.warning("CUDA graphs: off (more requests held than max_num_seqs seats)")
             self.fused_decoder = None  # the graphs read the table the growth replaced
-        seq = RunnerSequence(
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            params=new.params,
-            seed=new.seed,
-            stop_token_ids=list(new.stop_token_ids),
-            num_blocks=0,
-            row=row,
-            num_computed_tokens=new.num_computed_tokens,
-        )
-        self._append_blocks(seq, new.block_ids)
-        self.sequences[new.request_id] = seq
-
-    def _append_blocks(self, seq: RunnerSequence, block_ids: list[int]) -> None:
-        if block_ids:
-            end = seq.num_blocks + len(block_ids)
-            self.table.append(seq.row, seq.num_blocks, block_ids)
-            seq.num_blocks = end
-
-    def _drop(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.table.free_seat(seq.row)
-        self.pooler.forget(request_id)
-        for extra in (self.drafter, self.eagle, self.medusa):
-            if extra is not None:
-                extra.forget(request_id)
 
     # -- one step -------------------------------------------------------------------
 
@@ -297,21 +258,13 @@ class ModelRunner:
             launched.partial.moe_expert_tokens = self.expert_load.after_step(ran_model=not plan.empty)
         return launched
 
-    def _deliver(self, ids: list[str], tokens: list[int]) -> None:
-        """A launched step's tokens reached the host: into the copies still held."""
-        for rid, token in zip(ids, tokens):
-            seq = self.sequences.get(rid)
-            if seq is not None and seq.pending:
-                seq.token_ids.append(token)
-                seq.pending -= 1
-
     def close(self) -> None:
         """Finish what must outlive the process (a disk tier's pending writes)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
 
     def _execute(self, plan: StepPlan, ahead: bool = False) -> StepResult | LaunchedStep:
-        self._apply_diff(plan)
+        self.batch.apply_diff(plan)
         if plan.empty:
             return StepResult()
         drafts = plan.draft_token_ids
@@ -432,7 +385,7 @@ class ModelRunner:
                     seq = self.sequences[rid]
                     seq.pending += 1
                     seq.inflight = i
-                return LaunchedStep(result, ids, wait, self._deliver)
+                return LaunchedStep(result, ids, wait, self.batch.deliver)
             for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
                 result.sampled[rid] = [sampled.token_id]
                 if sampled.logprobs is not None:

@@ -16,6 +16,8 @@
 `avx2_library()`, for CPUs with AVX2, FMA and F16C (nearly every x86 server):
 - block_kernels.c: products on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as stored,
   with float32 activations (dolmus/quant/gguf_blocks.py wraps them);
+- block_kernels_i8.c: the same products with the activations rounded to int8 per block, as
+  llama.cpp runs them (`--gguf-activations int8`);
 - layer_kernels_f32.c: the float32 RMSNorm, rotary, SiLU-and-multiply and decode attention;
 - bf16_weights_f32.c: float32 products on weights kept in bf16, where bf16 is emulated
   (bf16_weights.py);
@@ -123,6 +125,7 @@ _AVX2 = _Spec(
     "dolmus-avx2-kernels",
     (
         "block_kernels.c",
+        "block_kernels_i8.c",
         "layer_kernels_f32.c",
         "bf16_weights_f32.c",
         "decode_step_f32.c",
@@ -155,7 +158,7 @@ _AVX2 = _Spec(
         + [_i64] * 4
         + [_f32],
     },
-    headers=("kernels_f32.h", "exp_avx2.h"),
+    headers=("kernels_f32.h", "exp_avx2.h", "sums_avx2.h"),
 )
 LIBRARIES = (_AVX512, _AVX2)
 # every other kernel returns nothing

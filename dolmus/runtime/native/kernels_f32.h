@@ -1,5 +1,5 @@
 /* The kernels of the AVX2 library that its sources call in each other (defined in
- * layer_kernels_f32.c, block_kernels.c and bf16_weights_f32.c). */
+ * layer_kernels_f32.c, block_kernels.c, block_kernels_i8.c and bf16_weights_f32.c). */
 #ifndef DOLMUS_KERNELS_F32_H
 #define DOLMUS_KERNELS_F32_H
 

@@ -13,13 +13,7 @@
 
 #include "exp_avx2.h"
 #include "kernels_f32.h"
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "sums_avx2.h"
 
 /* out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)). cols % 8 == 0. */
 void dolmus_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
@@ -38,7 +32,7 @@ void dolmus_rms_norm_f32(const float *x, const float *weight, float *out, int64_
             __m256 a = _mm256_loadu_ps(xr + c);
             s0 = _mm256_fmadd_ps(a, a, s0);
         }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(_mm256_add_ps(s0, s1)) / (float)cols + eps));
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(s0, s1)) / (float)cols + eps));
         for (c = 0; c < cols; c += 8)
             _mm256_storeu_ps(out + r * cols + c,
                              _mm256_mul_ps(_mm256_loadu_ps(weight + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), inv)));
