@@ -138,7 +138,9 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
     go one KV head per work item; ten (past four per thread) all of a sequence's heads in one.
     Head groups of 1, 4, 7 and 8 at 64 (values weighed 7 heads a pass: one pass, and 7 + 1), of 4
     and 8 at 128 (3 a pass: 3 + 1, 3 + 3 + 2), and a head size that is not a multiple of 32
-    (two heads a pass, values widened 16 at a time)."""
+    (two heads a pass, values widened 16 at a time). Odd lengths leave a position pair half
+    empty. The values are weighed by the softmax numerators rounded to bf16, as the prompt
+    kernel (and PyTorch's flash kernel) do: the prompt kernel's tolerance."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     bs, lengths = 16, torch.tensor(lengths)
     n, num_blocks = len(lengths), 5
@@ -161,7 +163,7 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
             keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
             values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
         ).squeeze(1)
-        torch.testing.assert_close(out[i].float(), expected, rtol=2**-7, atol=2e-3)
+        torch.testing.assert_close(out[i].float(), expected, rtol=2**-7, atol=4e-3)
 
 
 @pytest.mark.parametrize("rows", (1, 40))

@@ -78,55 +78,68 @@ static inline __mmask16 first_lanes(int64_t count) {
     return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
 }
 
-/* Query heads per pass over the values (registers: 2 sums of 16 floats per head and 32 values,
- * d / 32 of those, plus the two halves of one load): 7 for 64-element heads, 3 for the others
- * that weigh_values takes (32, 96, 128). */
+/* Query heads per pass over the values (registers: 4 sums of 16 floats per head and 32 values,
+ * d / 32 of those, plus the two position pairs of one load): 7 for 64-element heads, 3 for the
+ * others that weigh_values takes (32, 96, 128). */
 #define VALUE_HEADS_64 7
 #define VALUE_HEADS_128 3
 
-/* out[g][0 .. d) = sum over p of scores[g * len + p] * v(p), g < H, in bf16; d % 32 == 0, d <= 128.
- * A 64-byte load holds 32 bf16 values; the even ones become floats by a shift and the odd ones by
- * clearing their low half: two ops a load, where widening 16 at a time took four, and every head
- * of the pass (not two) weighs a row while it is in registers (Qwen2.5-0.5B's 7 heads a KV head:
- * 4 passes over the rows became 1). Each output's sum runs over p in order, as before, so the
- * bits are the same; even and odd sums go back to their places once, at the end. */
+/* out[g][0 .. d) = bf16(inv[g] * sum over p of e[g][p] v(p)), g < H: e the bf16 numerators of
+ * the softmax (heads `stride` values apart, a zero after an odd count), inv[g] one over their
+ * float32 sum; d % 32 == 0, d <= 128. The weighting is vdpbf16ps over pairs of positions: the
+ * rows of positions p and p + 1 interleaved (unpacklo/hi_epi16: within each 128-bit lane, values
+ * c of both rows side by side) against the pair (e[p], e[p + 1]) broadcast. One instruction
+ * weighs 16 values of two rows, where float FMAs weighed 16 of one after widening them, and
+ * every head of the pass weighs the pair while it is in registers (Qwen2.5-0.5B's 7 heads a KV
+ * head in one pass over the rows). The lane order the interleave leaves (values 0-3 and 8-11 of
+ * each 16 in the low sums, 4-7 and 12-15 in the high ones) is undone once, at the end. */
 static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v_cache, const int64_t *rows,
-                                                                  int64_t len, const float *scores, const int H,
-                                                                  const int64_t d, uint16_t *out) {
+                                                                  int64_t len, const uint16_t *e, int64_t stride,
+                                                                  const float *inv, const int H, const int64_t d,
+                                                                  uint16_t *out) {
     const int64_t loads = d / 32;
-    const __m512i high = _mm512_set1_epi32(-65536); /* 0xFFFF0000 */
-    __m512 even[7][4], odd[7][4];
+    __m512 lo[7][4], hi[7][4];
     for (int g = 0; g < H; g++)
-        for (int64_t c = 0; c < loads; c++) even[g][c] = odd[g][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < len; p++) {
-        const uint16_t *vr = v_cache + rows[p];
+        for (int64_t c = 0; c < loads; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < len; p += 2) {
+        const uint16_t *v0 = v_cache + rows[p], *v1 = p + 1 < len ? v_cache + rows[p + 1] : NULL;
         for (int64_t c = 0; c < loads; c++) {
-            __m512i u = _mm512_loadu_si512((const void *)(vr + 32 * c));
-            __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)), o = _mm512_castsi512_ps(_mm512_and_si512(u, high));
+            __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * c));
+            __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + 32 * c)) : _mm512_setzero_si512();
+            __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), h = (__m512bh)_mm512_unpackhi_epi16(a, b);
             for (int g = 0; g < H; g++) {
-                __m512 w = _mm512_set1_ps(scores[g * len + p]);
-                even[g][c] = _mm512_fmadd_ps(w, e, even[g][c]);
-                odd[g][c] = _mm512_fmadd_ps(w, o, odd[g][c]);
+                int32_t pair;
+                memcpy(&pair, e + g * stride + p, sizeof pair);
+                __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+                lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w, l);
+                hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w, h);
             }
         }
     }
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int g = 0; g < H; g++)
+    /* lanes 4t .. 4t + 3 of lo hold values 8t .. 8t + 3 of a 32-value load, of hi 8t + 4 .. 8t + 7 */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < H; g++) {
+        __m512 scale = _mm512_set1_ps(inv[g]);
         for (int64_t c = 0; c < loads; c++) {
-            store_bf16x16(out + g * d + 32 * c, _mm512_permutex2var_ps(even[g][c], lo, odd[g][c]));
-            store_bf16x16(out + g * d + 32 * c + 16, _mm512_permutex2var_ps(even[g][c], hi, odd[g][c]));
+            store_bf16x16(out + g * d + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], first, hi[g][c]), scale));
+            store_bf16x16(out + g * d + 32 * c + 16,
+                          _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], second, hi[g][c]), scale));
         }
+    }
 }
 
 /* The query heads q[g][d] (bf16) sharing KV head h attend to its `len` cached positions;
  * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
- * 16 positions at a time; values are weighed in float32 (weigh_values). `ahead` >= 0: while the
- * first head computes its scores, ask for each row's values and for the `ahead` bytes after its
- * key and value rows (the work item's later KV heads in the same slot); -1: ask for nothing. */
+ * 16 positions at a time; the values are weighed by the softmax's numerators rounded to bf16,
+ * again in bf16 dot products, and scaled by one over their sum (weigh_values). scores: group x
+ * len floats of scratch, inv: group. `ahead` >= 0: while the first head computes its scores, ask
+ * for each row's values and for the `ahead` bytes after its key and value rows (the work item's
+ * later KV heads in the same slot); -1: ask for nothing. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
-    int64_t len, int64_t group, const int64_t d, float scale, float *scores, uint16_t *out, int64_t ahead) {
+    int64_t len, int64_t group, const int64_t d, float scale, float *scores, float *inv, uint16_t *out,
+    int64_t ahead) {
     const int64_t pairs = (d + 31) / 32, chunks = d / 16; /* zmm of bf16 pairs; of 16 floats */
     const __mmask16 tail = d % 32 ? 0x00FF : 0xFFFF;      /* d % 32 == 16: half a vector of pairs */
     for (int64_t g = 0; g < group; g++) {
@@ -159,33 +172,34 @@ static inline __attribute__((always_inline)) void attend(
             _mm512_mask_storeu_ps(sg + p0, k, s);
             top = _mm512_mask_max_ps(top, k, top, s);
         }
+        /* the numerators e = exp(s - max) rounded to bf16, in place of the scores (each store
+         * lands on scores already read), a zero after an odd count, and one over their float32
+         * sum: out = bf16(e) . v / sum(e), prefill_attention.c's order (and PyTorch's flash kernel's) */
+        uint16_t *eg = (uint16_t *)sg;
         __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         for (int64_t p0 = 0; p0 < len; p0 += 16) {
             __mmask16 k = first_lanes(len - p0);
             __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p0), m)));
-            _mm512_mask_storeu_ps(sg + p0, k, e);
             sum = _mm512_add_ps(sum, e);
+            _mm256_mask_storeu_epi16(eg + p0, k, (__m256i)_mm512_cvtneps_pbh(e));
         }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        for (int64_t p0 = 0; p0 < len; p0 += 16) {
-            __mmask16 k = first_lanes(len - p0);
-            _mm512_mask_storeu_ps(sg + p0, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sg + p0), inv));
-        }
+        if (len % 2) eg[len] = 0;
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     if (d % 32 == 0 && d <= 128) { /* weighted values, several heads per pass over the rows */
         const int most = d == 64 ? VALUE_HEADS_64 : VALUE_HEADS_128;
         for (int64_t g = 0; g < group;) {
             int64_t h = group - g < most ? group - g : most;
-            const float *sg = scores + g * len;
+            const uint16_t *eg = (const uint16_t *)(scores + g * len); /* heads 2 len apart */
             uint16_t *og = out + g * d;
             switch (h) {
-            case 1: weigh_values(v_cache, rows, len, sg, 1, d, og); break;
-            case 2: weigh_values(v_cache, rows, len, sg, 2, d, og); break;
-            case 3: weigh_values(v_cache, rows, len, sg, 3, d, og); break;
-            case 4: weigh_values(v_cache, rows, len, sg, 4, d, og); break;
-            case 5: weigh_values(v_cache, rows, len, sg, 5, d, og); break;
-            case 6: weigh_values(v_cache, rows, len, sg, 6, d, og); break;
-            default: weigh_values(v_cache, rows, len, sg, 7, d, og); break;
+            case 1: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 1, d, og); break;
+            case 2: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 2, d, og); break;
+            case 3: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 3, d, og); break;
+            case 4: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 4, d, og); break;
+            case 5: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 5, d, og); break;
+            case 6: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 6, d, og); break;
+            default: weigh_values(v_cache, rows, len, eg, 2 * len, inv + g, 7, d, og); break;
             }
             g += h;
         }
@@ -193,21 +207,23 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int64_t g = 0; g < group; g += 2) { /* other head sizes: two heads per pass */
         int64_t two = group - g >= 2;
-        const float *s0 = scores + g * len, *s1 = scores + (g + two) * len;
+        const uint16_t *e0 = (const uint16_t *)(scores + g * len), *e1 = (const uint16_t *)(scores + (g + two) * len);
         __m512 acc0[16], acc1[16];
         for (int64_t c = 0; c < chunks; c++) acc0[c] = acc1[c] = _mm512_setzero_ps();
         for (int64_t p = 0; p < len; p++) {
             const uint16_t *vr = v_cache + rows[p];
-            __m512 w0 = _mm512_set1_ps(s0[p]), w1 = _mm512_set1_ps(s1[p]);
+            union { uint32_t u; float f; } x0 = {(uint32_t)e0[p] << 16}, x1 = {(uint32_t)e1[p] << 16};
+            __m512 w0 = _mm512_set1_ps(x0.f), w1 = _mm512_set1_ps(x1.f);
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 v = load_bf16x16(vr + 16 * c);
                 acc0[c] = _mm512_fmadd_ps(w0, v, acc0[c]);
                 acc1[c] = _mm512_fmadd_ps(w1, v, acc1[c]);
             }
         }
+        __m512 i0 = _mm512_set1_ps(inv[g]), i1 = _mm512_set1_ps(inv[g + two]);
         for (int64_t c = 0; c < chunks; c++) {
-            store_bf16x16(out + g * d + 16 * c, acc0[c]);
-            if (two) store_bf16x16(out + (g + 1) * d + 16 * c, acc1[c]);
+            store_bf16x16(out + g * d + 16 * c, _mm512_mul_ps(acc0[c], i0));
+            if (two) store_bf16x16(out + (g + 1) * d + 16 * c, _mm512_mul_ps(acc1[c], i1));
         }
     }
 }
@@ -238,9 +254,10 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     for (int64_t item = 0; item < n * parts; item++) {
         int64_t s = item / parts, h0 = item % parts * per_item, end = lengths[s];
         int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
-        /* per position: its row's offset in the caches, then each query head's score */
-        int64_t stack[STACK_POSITIONS * 9];
-        size_t words = (size_t)(len + (group * len + 1) / 2);
+        /* per position: its row's offset in the caches, then each query head's score, then one
+         * over each head's softmax sum */
+        int64_t stack[STACK_POSITIONS * 9 + 8];
+        size_t words = (size_t)(len + (group * len + group + 1) / 2);
         int64_t *rows = len <= STACK_POSITIONS && group <= 16 ? stack : malloc(sizeof(int64_t) * words);
         if (!rows) continue;
         const int64_t *table = block_ids + s * nb;
@@ -257,15 +274,15 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                 rows[p] = ((table[b] * bs + i) * hkv + h) * d;
                 if (++i == bs) i = 0, b++;
             }
-            float *scores = (float *)(rows + len);
+            float *scores = (float *)(rows + len), *inv = scores + group * len;
             const uint16_t *qs = q + s * q_stride + h * group * d;
             uint16_t *o = out + (s * hq + h * group) * d;
             if (d == 64) /* the common head sizes, with constant loop bounds */
-                attend(qs, k_cache, v_cache, rows, len, group, 64, scale, scores, o, ahead);
+                attend(qs, k_cache, v_cache, rows, len, group, 64, scale, scores, inv, o, ahead);
             else if (d == 128)
-                attend(qs, k_cache, v_cache, rows, len, group, 128, scale, scores, o, ahead);
+                attend(qs, k_cache, v_cache, rows, len, group, 128, scale, scores, inv, o, ahead);
             else
-                attend(qs, k_cache, v_cache, rows, len, group, d, scale, scores, o, ahead);
+                attend(qs, k_cache, v_cache, rows, len, group, d, scale, scores, inv, o, ahead);
         }
         if (rows != stack) free(rows);
     }
