@@ -166,6 +166,33 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
         torch.testing.assert_close(out[i].float(), expected, rtol=2**-7, atol=4e-3)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "length"), [(14, 2, 1031), (32, 1, 45)])
+def test_decode_attention_kernel_past_its_stack_scratch(heads: int, kv_heads: int, length: int) -> None:
+    """A work item's scratch (rows, scores, softmax sums) goes to the heap past 1,024 positions
+    or 16 query heads a KV head: a long odd-length sequence, and 32 heads sharing one KV head
+    (values weighed 7 + 7 + 7 + 7 + 4 heads a pass)."""
+    gen = torch.Generator().manual_seed(length)
+    bs, head_dim = 16, 64
+    blocks = -(-length // bs)
+    cache = PagedKV((blocks + 8) * bs, kv_heads, head_dim, bs, torch.bfloat16, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    block_ids = torch.randperm(blocks + 8, generator=gen)[:blocks].view(1, blocks)
+    q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
+    out = torch.full((1, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    native_ops.decode_attention(
+        q, cache.data[0], cache.data[1], block_ids, torch.tensor([length]), out, bs, 0.125
+    )
+    keys = cache.blocks(0, block_ids[0])[:length].float()
+    values = cache.blocks(1, block_ids[0])[:length].float()
+    expected = F.scaled_dot_product_attention(
+        q[0].float().unsqueeze(1),
+        keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        scale=0.125,
+    ).squeeze(1)
+    torch.testing.assert_close(out[0].float(), expected, rtol=2**-7, atol=4e-3)
+
+
 @pytest.mark.parametrize("rows", (1, 40))
 def test_silu_and_mul_kernel_equals_pytorch(rows: int) -> None:
     x = (torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()

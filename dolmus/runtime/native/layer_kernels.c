@@ -78,11 +78,30 @@ static inline __mmask16 first_lanes(int64_t count) {
     return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
 }
 
-/* Query heads per pass over the values (registers: 4 sums of 16 floats per head and 32 values,
- * d / 32 of those, plus the two position pairs of one load): 7 for 64-element heads, 3 for the
- * others that weigh_values takes (32, 96, 128). */
+/* Query heads per pass over the values (registers: 2 sums of 16 floats per head and 32 values,
+ * d / 32 of those, plus the two interleaved halves of a load and the heads' broadcast pairs): 7
+ * for 64-element heads, 3 for the others that weigh_values takes (32, 96, 128). */
 #define VALUE_HEADS_64 7
 #define VALUE_HEADS_128 3
+
+/* Positions p and p + 1 (rows v0 and v1; v1 NULL: zeros) weighed by the pairs at e, heads
+ * stride apart, into the sums of weigh_values. */
+static inline __attribute__((always_inline)) void weigh_pair(__m512 lo[7][4], __m512 hi[7][4], const uint16_t *v0,
+                                                                const uint16_t *v1, const uint16_t *e,
+                                                                int64_t stride, const int H, const int64_t loads) {
+    for (int64_t c = 0; c < loads; c++) {
+        __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * c));
+        __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + 32 * c)) : _mm512_setzero_si512();
+        __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), h = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < H; g++) {
+            int32_t pair;
+            memcpy(&pair, e + g * stride, sizeof pair);
+            __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+            lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w, l);
+            hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w, h);
+        }
+    }
+}
 
 /* out[g][0 .. d) = bf16(inv[g] * sum over p of e[g][p] v(p)), g < H: e the bf16 numerators of
  * the softmax (heads `stride` values apart, a zero after an odd count), inv[g] one over their
@@ -101,21 +120,11 @@ static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v
     __m512 lo[7][4], hi[7][4];
     for (int g = 0; g < H; g++)
         for (int64_t c = 0; c < loads; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < len; p += 2) {
-        const uint16_t *v0 = v_cache + rows[p], *v1 = p + 1 < len ? v_cache + rows[p + 1] : NULL;
-        for (int64_t c = 0; c < loads; c++) {
-            __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * c));
-            __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + 32 * c)) : _mm512_setzero_si512();
-            __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), h = (__m512bh)_mm512_unpackhi_epi16(a, b);
-            for (int g = 0; g < H; g++) {
-                int32_t pair;
-                memcpy(&pair, e + g * stride + p, sizeof pair);
-                __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-                lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w, l);
-                hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w, h);
-            }
-        }
-    }
+    int64_t p = 0;
+    for (; p + 1 < len; p += 2)
+        weigh_pair(lo, hi, v_cache + rows[p], v_cache + rows[p + 1], e + p, stride, H, loads);
+    if (p < len) /* an odd count's last position, beside a row of zeros (its pair's second is 0) */
+        weigh_pair(lo, hi, v_cache + rows[p], NULL, e + p, stride, H, loads);
     /* lanes 4t .. 4t + 3 of lo hold values 8t .. 8t + 3 of a 32-value load, of hi 8t + 4 .. 8t + 7 */
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -131,8 +140,9 @@ static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v
 
 /* The query heads q[g][d] (bf16) sharing KV head h attend to its `len` cached positions;
  * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
- * 16 positions at a time; the values are weighed by the softmax's numerators rounded to bf16,
- * again in bf16 dot products, and scaled by one over their sum (weigh_values). scores: group x
+ * 16 positions at a time; the values are weighed by the softmax's numerators rounded to bf16 (in
+ * bf16 dot products where weigh_values takes the head size, else widened to float32) and scaled
+ * by one over their float32 sum. scores: group x
  * len floats of scratch, inv: group. `ahead` >= 0: while the first head computes its scores, ask
  * for each row's values and for the `ahead` bytes after its key and value rows (the work item's
  * later KV heads in the same slot); -1: ask for nothing. */
@@ -184,7 +194,8 @@ static inline __attribute__((always_inline)) void attend(
             _mm256_mask_storeu_epi16(eg + p0, k, (__m256i)_mm512_cvtneps_pbh(e));
         }
         if (len % 2) eg[len] = 0;
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        float total = _mm512_reduce_add_ps(sum);
+        inv[g] = total > 0 ? 1.0f / total : 0.0f; /* no positions: zeros, as before */
     }
     if (d % 32 == 0 && d <= 128) { /* weighted values, several heads per pass over the rows */
         const int most = d == 64 ? VALUE_HEADS_64 : VALUE_HEADS_128;
