@@ -142,10 +142,10 @@ static inline __attribute__((always_inline)) void weigh_values(const uint16_t *v
  * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
  * 16 positions at a time; the values are weighed by the softmax's numerators rounded to bf16 (in
  * bf16 dot products where weigh_values takes the head size, else widened to float32) and scaled
- * by one over their float32 sum. scores: group x
- * len floats of scratch, inv: group. `ahead` >= 0: while the first head computes its scores, ask
- * for each row's values and for the `ahead` bytes after its key and value rows (the work item's
- * later KV heads in the same slot); -1: ask for nothing. */
+ * by one over their float32 sum. scores: group x len floats of scratch, inv: group floats.
+ * `ahead` >= 0: while the first head computes its scores, ask for each row's values and for the
+ * `ahead` bytes after its key and value rows (the work item's later KV heads in the same slot);
+ * -1: ask for nothing. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
     int64_t len, int64_t group, const int64_t d, float scale, float *scores, float *inv, uint16_t *out,
