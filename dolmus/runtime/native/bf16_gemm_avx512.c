@@ -34,6 +34,18 @@
  * L3 instead of L2 (stretches of at least 512 rows: 845 -> 961 GF/s at 128 rows, 873 -> 980 at
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
+/* A single block of rows (a decode step of 1-8 sequences) asks for its weights a chunk ahead
+ * like every block, and also for two lines this far ahead with each pair of loads. It used to ask
+ * for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests at the start of the step;
+ * from 4 rows on, where a step's dot products take as long as its bytes take to arrive, the two
+ * hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights, interleaved with a
+ * plain sum of the same bytes): 8 rows 25-26 -> 32-35 GB/s where the sum read ~34 (the same as
+ * it), 29-30 -> 40-45 where it read ~58; 4 rows 27-28 -> 33-35 and 33 -> 53-57; one row 30-32
+ * -> 32-34 and 41-46 -> 50-51. A decode step of 8 sequences in process: 28.5-31.3 -> 21.5-25.5
+ * ms. Either request alone did less (the chunk ahead: 29 GB/s at 8 rows and ~34 of sum; the two
+ * lines alone, kept in place with inline asm: 21.5; a rolled loop: 30); 8, 16 and 24 KB read
+ * as 12. */
+#define SINGLE_BLOCK_AHEAD 12288
 #ifndef CHUNK_STEPS
 /* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes
  * over it (a layer of 896 inputs is one chunk). Each block stores its sums once a chunk (and loads
@@ -66,22 +78,20 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
         s[r][0] = k0 ? _mm512_loadu_ps(acc + 32 * r) : _mm512_setzero_ps();
         s[r][1] = k0 ? _mm512_loadu_ps(acc + 32 * r + 16) : _mm512_setzero_ps();
     }
+    const int single = pf_hi - pf_lo == 32; /* the only block (M <= ROWS): a decode step */
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
-        /* prefetch_stream written out: through the helper, GCC 12 emitted no prefetch at all in
-         * this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
-        if (pf_hi - pf_lo == 32) /* a single block: as before (at 1-4 rows 5-8% faster than split) */
-            for (int i = 0; i < 32; i++) {
-                _mm_prefetch((const char *)w + PREFETCH_FAR + 64 * i, _MM_HINT_T1);
-                _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
-            }
-        else {
-            for (int i = pf_lo; i < pf_hi; i++)
-                _mm_prefetch((const char *)(w + CHUNK_STEPS * 2 * TILE) + 64 * i, _MM_HINT_T1);
-            if (pf_lo == 0 && pf_hi > 0) /* one block only, also past 32 blocks (shares of none) */
-                for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
-        }
+        /* _mm_prefetch written out: through prefetch.h's helper, GCC 12 emitted no prefetch at all
+         * in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
+        for (int i = pf_lo; i < pf_hi; i++)
+            _mm_prefetch((const char *)(w + CHUNK_STEPS * 2 * TILE) + 64 * i, _MM_HINT_T1);
+        if (pf_lo == 0 && pf_hi > 0) /* one block only, also past 32 blocks (shares of none) */
+            for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
         for (int j = 0; j < 16; j++) {
+            if (single) { /* lines 2j and 2j + 1 of the step SINGLE_BLOCK_AHEAD on, as it goes */
+                _mm_prefetch((const char *)w + SINGLE_BLOCK_AHEAD + 128 * j, _MM_HINT_T1);
+                _mm_prefetch((const char *)w + SINGLE_BLOCK_AHEAD + 128 * j + 64, _MM_HINT_T1);
+            }
             __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32 * j));
             __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + TILE + 32 * j));
             for (int r = 0; r < R; r++) {
