@@ -6,8 +6,8 @@
  * pairs, exactly one operand of vdpbf16ps. With an activation row's pair broadcast to all 16
  * lanes, one instruction adds w[o][2j] x[2j] + w[o][2j + 1] x[2j + 1] to the float32 sums of the
  * 16 outputs. A block of up to ROWS activation rows shares every weight load (2 ROWS sums in
- * registers); a decode step (one row) is then a single pass over the weights, prefetched like
- * the AMX path (prefetch.h), on the huge pages the packed copy lives on. Panels are split
+ * registers); a decode step (up to ROWS rows) is then a single pass over the weights, asked for
+ * ahead (FIRST_BLOCK_AHEAD), on the huge pages the packed copy lives on. Panels are split
  * between threads; rows go in stretches that stay in L2 while every panel passes over them, and
  * never under MIN_STRETCH rows.
  *
@@ -34,18 +34,20 @@
  * L3 instead of L2 (stretches of at least 512 rows: 845 -> 961 GF/s at 128 rows, 873 -> 980 at
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
-/* A single block of rows (a decode step of 1-8 sequences) asks for its weights a chunk ahead
- * like every block, and also for two lines this far ahead with each pair of loads. It used to ask
- * for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests at the start of the step;
- * from 4 rows on, where a step's dot products take as long as its bytes take to arrive, the two
- * hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights, interleaved with a
+/* The first block of rows (the only one in a decode step of 1-8 sequences) asks for its weights
+ * a chunk ahead like every block, and also for two lines this far ahead with each pair of loads.
+ * A single block used to ask for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests
+ * at the start of the step; from 4 rows on, where a step's dot products take as long as its bytes
+ * take to arrive, the two hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights, interleaved with a
  * plain sum of the same bytes): 8 rows 25-26 -> 32-35 GB/s where the sum read ~34 (the same as
  * it), 29-30 -> 40-45 where it read ~58; 4 rows 27-28 -> 33-35 and 33 -> 53-57; one row 30-32
  * -> 32-34 and 41-46 -> 50-51. A decode step of 8 sequences in process: 28.5-31.3 -> 21.5-25.5
  * ms. Either request alone did less (the chunk ahead: 29 GB/s at 8 rows and ~34 of sum; the two
  * lines alone, kept in place with inline asm: 21.5; a rolled loop: 30); 8, 16 and 24 KB read
- * as 12. */
-#define SINGLE_BLOCK_AHEAD 12288
+ * as 12. The first of several blocks asking too: 16 rows 21.6 -> 22.9 GB/s, 32 rows 12.1 ->
+ * 12.4; decode steps in process of 16 sequences 36.2-36.8 -> 33.2-35.3 ms, of 32 about the same
+ * (62-68 ms). */
+#define FIRST_BLOCK_AHEAD 12288
 #ifndef CHUNK_STEPS
 /* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes
  * over it (a layer of 896 inputs is one chunk). Each block stores its sums once a chunk (and loads
@@ -69,7 +71,8 @@ static inline __m512bh pair_of(const uint16_t *p) {
  * k0 is 0 (clearing acc before each panel, 4 KB at 32 rows, was 2% of a decode step of 32
  * sequences). R is a constant at each call site, so the loops over rows unroll and the sums stay
  * in registers. Lines [pf_lo, pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and
- * the block whose share starts at line 0 also brings the next steps into L1. */
+ * the block whose share starts at line 0 also brings the next steps into L1 and asks for two lines
+ * FIRST_BLOCK_AHEAD ahead with each pair of loads. */
 static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, int64_t k0, int64_t k1,
                                                               const uint16_t *x, int64_t ldx, const int R,
                                                               float *acc, int pf_lo, int pf_hi) {
@@ -78,7 +81,6 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
         s[r][0] = k0 ? _mm512_loadu_ps(acc + 32 * r) : _mm512_setzero_ps();
         s[r][1] = k0 ? _mm512_loadu_ps(acc + 32 * r + 16) : _mm512_setzero_ps();
     }
-    const int single = pf_hi - pf_lo == 32; /* the only block (M <= ROWS): a decode step */
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
         /* _mm_prefetch written out: through prefetch.h's helper, GCC 12 emitted no prefetch at all
@@ -88,9 +90,9 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
         if (pf_lo == 0 && pf_hi > 0) /* one block only, also past 32 blocks (shares of none) */
             for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
         for (int j = 0; j < 16; j++) {
-            if (single) { /* lines 2j and 2j + 1 of the step SINGLE_BLOCK_AHEAD on, as it goes */
-                _mm_prefetch((const char *)w + SINGLE_BLOCK_AHEAD + 128 * j, _MM_HINT_T1);
-                _mm_prefetch((const char *)w + SINGLE_BLOCK_AHEAD + 128 * j + 64, _MM_HINT_T1);
+            if (pf_lo == 0 && pf_hi > 0) { /* lines 2j, 2j + 1 of the step FIRST_BLOCK_AHEAD on */
+                _mm_prefetch((const char *)w + FIRST_BLOCK_AHEAD + 128 * j, _MM_HINT_T1);
+                _mm_prefetch((const char *)w + FIRST_BLOCK_AHEAD + 128 * j + 64, _MM_HINT_T1);
             }
             __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32 * j));
             __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + TILE + 32 * j));
