@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
 
-# Rows: the dot-product kernels (incl. a partial pass of 4), on AMX the int4 few-rows path
+# Rows: the dot-product kernels (incl. a partial pass of 4; int8 5-8 by half blocks), on AMX the int4 few-rows path
 # (5-16: one A tile) and the dequantized panels (17+), and for int8 the dequantizing path.
-ROWS = (1, 2, 3, 4, 5, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
+ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
 # Shapes: outputs not a multiple of the 64-row block, short and long inputs.
 SHAPES = ((100, 64), (64, 128), (200, 896), (72, 1152))
 
@@ -50,6 +50,21 @@ def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
     x = torch.randn(m, k, generator=gen).bfloat16()
     expected = x.float() @ (codes.float() * scale.float()[:, None]).T
     _close(native.int8_matmul(x, packed, scale32, n), expected)
+
+
+@pytest.mark.parametrize("m", (6, 8))
+def test_int8_rows_have_the_bits_they_have_alone(m: int) -> None:
+    # 5-8 rows go through each half block with every row at once, fewer in passes of 4: a row's
+    # result must not depend on how many rows came with it. Many long outputs, so that a sum taken
+    # in another order shows in the bf16 bits of some of them.
+    n, k = 2048, 4864
+    gen = torch.Generator().manual_seed(m)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    packed, scale32 = native.pack_int8(codes, (torch.rand(n, generator=gen) / 100).bfloat16())
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    together = native.int8_matmul(x, packed, scale32, n)
+    alone = torch.cat([native.int8_matmul(x[i : i + 1], packed, scale32, n) for i in range(m)])
+    assert torch.equal(together, alone)
 
 
 @pytest.mark.parametrize("symmetric", (False, True))

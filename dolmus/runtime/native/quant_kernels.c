@@ -51,10 +51,52 @@ static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+/* dolmus_int8_gemm for MR < M <= 2 MR rows (a decode step of 5-8 sequences): each half of a
+ * block (32 outputs) goes through with every row at once, so its codes are widened once, not once
+ * per MR rows. There the product is bound by the core, not the stream (a row's dot products
+ * are those of bf16 weights, and each code is widened as well): on a Zen 4, 8 rows over 350 MB
+ * of codes 17.7 -> 23.7 GB/s, 6 rows 20.3 -> 25.2. The second half re-reads the block's codes
+ * from L2 (K * 64 bytes: 56 KB at 896 inputs). Each output's sum runs in the same order, so the
+ * bits are those of the MR-row passes. */
+static void int8_gemm_halves(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
+                             int64_t M, int64_t N, int64_t K) {
+    int64_t blocks = (N + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *pb = packed + b * K * 64;
+        for (int h = 0; h < 2; h++) {
+            __m512 acc[2 * MR][2];
+            for (int i = 0; i < 2 * MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 2) {
+                const int8_t *c = pb + k * 64;
+                if (h == 0) prefetch_stream(c, 2);
+                __m512bh w0 = int8_pairs_to_bf16(c + 32 * h, c + 64 + 32 * h);
+                __m512bh w1 = int8_pairs_to_bf16(c + 32 * h + 16, c + 64 + 32 * h + 16);
+                for (int i = 0; i < 2 * MR && i < M; i++) {
+                    int32_t pair;
+                    memcpy(&pair, x + i * K + k, sizeof pair);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+                }
+            }
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < 2; j++) {
+                    int64_t o = b * 64 + 32 * h + 16 * j;
+                    store_bf16(y + i * N + o, _mm512_mul_ps(acc[i][j], _mm512_loadu_ps(scale + o)), N - o);
+                }
+        }
+    }
+}
+
 /* y[M][N] = x[M][K] times int8 weights; scale: [Npad] float; K even. Pairs of inputs go
  * through AVX-512 BF16 dot products (two products per lane and instruction). */
 void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
                       int64_t M, int64_t N, int64_t K) {
+    if (M > MR && M <= 2 * MR) {
+        int8_gemm_halves(x, packed, scale, y, M, N, K);
+        return;
+    }
     int64_t blocks = (N + 63) / 64;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
