@@ -34,19 +34,20 @@
  * L3 instead of L2 (stretches of at least 512 rows: 845 -> 961 GF/s at 128 rows, 873 -> 980 at
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
-/* The first block of rows (the only one in a decode step of 1-8 sequences) asks for its weights
- * a chunk ahead like every block, and also for two lines this far ahead with each pair of loads.
- * A single block used to ask for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests
- * at the start of the step; from 4 rows on, where a step's dot products take as long as its bytes
- * take to arrive, the two hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights, interleaved with a
- * plain sum of the same bytes): 8 rows 25-26 -> 32-35 GB/s where the sum read ~34 (the same as
- * it), 29-30 -> 40-45 where it read ~58; 4 rows 27-28 -> 33-35 and 33 -> 53-57; one row 30-32
- * -> 32-34 and 41-46 -> 50-51. A decode step of 8 sequences in process: 28.5-31.3 -> 21.5-25.5
- * ms. Either request alone did less (the chunk ahead: 29 GB/s at 8 rows and ~34 of sum; the two
- * lines alone, kept in place with inline asm: 21.5; a rolled loop: 30); 8, 16 and 24 KB read
- * as 12. The first of several blocks asking too: 16 rows 21.6 -> 22.9 GB/s, 32 rows 12.1 ->
- * 12.4; decode steps in process of 16 sequences 36.2-36.8 -> 33.2-35.3 ms, of 32 about the same
- * (62-68 ms). */
+/* The first block of rows (the only one in a decode step of 1-8 sequences) asks for its weights a
+ * chunk ahead like every block, and also for two lines this far ahead with each pair of loads. A
+ * single block used to ask for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests at
+ * the start of the step; from 4 rows on, where a step's dot products take as long as its bytes
+ * take to arrive, the two hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights,
+ * interleaved with a plain sum of the same bytes): 8 rows 25-26 -> 32-35 GB/s where the sum read
+ * ~34 (the same as it), 29-30 -> 40-45 where it read ~58; 4 rows 27-28 -> 33-35 and 33 -> 53-57;
+ * one row 30-32 -> 32-34 and 41-46 -> 50-51. A decode step of 8 sequences in process: 28.5-31.3 ->
+ * 21.5-25.5 ms. Either request alone did less (the chunk ahead: 29 GB/s at 8 rows and ~34 of sum;
+ * the two lines alone, kept in place with inline asm: 21.5; a rolled loop: 30); 8, 16 and 24 KB
+ * read as 12. These are hints, and where GCC schedules them mattered as much: measure a change of
+ * this loop's shape. The first of several blocks asking too: 16 rows 21.6 -> 22.9 GB/s, 32 rows
+ * 12.1 -> 12.4; decode steps in process of 16 sequences 36.2-36.8 -> 33.2-35.3 ms, of 32 about the
+ * same (62-68 ms). */
 #define FIRST_BLOCK_AHEAD 12288
 #ifndef CHUNK_STEPS
 /* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes
