@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
 
-# Rows: the dot-product kernels (incl. a partial pass of 4; int8 5-8 by half blocks), on AMX the int4 few-rows path
-# (5-16: one A tile) and the dequantized panels (17+), and for int8 the dequantizing path.
+# Rows: the dot-product kernels (incl. a partial pass of 4; int8 5-8 by half blocks), on AMX the
+# int4 few-rows path (5-16: one A tile) and the dequantized panels (17+), and for int8 the
+# dequantizing path.
 ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
 # Shapes: outputs not a multiple of the 64-row block, short and long inputs.
 SHAPES = ((100, 64), (64, 128), (200, 896), (72, 1152))
@@ -143,6 +144,21 @@ def test_residual_add_and_norm_in_one_pass_equal_the_two_kernels(rows: int) -> N
     assert torch.equal(got, native_ops.rms_norm(residual + x, weight, 1e-6))
 
 
+def _assert_attention_over_blocks(out, q, cache: PagedKV, block_ids, length: int, scale: float) -> None:
+    """One sequence's decode attention (out, q: [Hq, D]) against float32 SDPA over its gathered
+    blocks, to the prompt kernel's tolerance."""
+    heads, kv_heads = q.shape[0], cache.data.shape[-2]
+    keys = cache.blocks(0, block_ids)[:length].float()  # [L, Hkv, D]
+    values = cache.blocks(1, block_ids)[:length].float()
+    expected = F.scaled_dot_product_attention(
+        q.float().unsqueeze(1),  # [Hq, 1, D]
+        keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        scale=scale,
+    ).squeeze(1)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=4e-3)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
     [(4, 4, 64), (8, 2, 64), (14, 2, 64), (16, 2, 64), (4, 1, 128), (8, 1, 128), (6, 2, 48)],
@@ -171,14 +187,7 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
     out = torch.full((n, heads, head_dim), float("nan"), dtype=torch.bfloat16)
     native_ops.decode_attention(q, cache.data[0], cache.data[1], block_ids, lengths, out, bs, head_dim**-0.5)
     for i in range(n):
-        keys = cache.blocks(0, block_ids[i])[: lengths[i]].float()  # [L, Hkv, D]
-        values = cache.blocks(1, block_ids[i])[: lengths[i]].float()
-        expected = F.scaled_dot_product_attention(
-            q[i].float().unsqueeze(1),  # [Hq, 1, D]
-            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        ).squeeze(1)
-        torch.testing.assert_close(out[i].float(), expected, rtol=2**-7, atol=4e-3)
+        _assert_attention_over_blocks(out[i], q[i], cache, block_ids[i], int(lengths[i]), head_dim**-0.5)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "length"), [(14, 2, 1031), (32, 1, 45)])
@@ -197,15 +206,7 @@ def test_decode_attention_kernel_past_its_stack_scratch(heads: int, kv_heads: in
     native_ops.decode_attention(
         q, cache.data[0], cache.data[1], block_ids, torch.tensor([length]), out, bs, 0.125
     )
-    keys = cache.blocks(0, block_ids[0])[:length].float()
-    values = cache.blocks(1, block_ids[0])[:length].float()
-    expected = F.scaled_dot_product_attention(
-        q[0].float().unsqueeze(1),
-        keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        scale=0.125,
-    ).squeeze(1)
-    torch.testing.assert_close(out[0].float(), expected, rtol=2**-7, atol=4e-3)
+    _assert_attention_over_blocks(out[0], q[0], cache, block_ids[0], length, 0.125)
 
 
 @pytest.mark.parametrize("rows", (1, 40))
