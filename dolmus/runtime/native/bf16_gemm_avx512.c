@@ -49,6 +49,17 @@
  * 12.1 -> 12.4; decode steps in process of 16 sequences 36.2-36.8 -> 33.2-35.3 ms, of 32 about the
  * same (62-68 ms). */
 #define FIRST_BLOCK_AHEAD 12288
+/* A single block (every row of the product in one block) asks for its weights this many steps
+ * (16 KB) ahead into L2, not a chunk (128 KB) ahead: the chunk is for the blocks that follow the
+ * first through it, and a single block has none. A thread's first 128 KB of each product then came
+ * only on the FIRST_BLOCK_AHEAD stream, and its last 128 KB of requests went past its share (into
+ * the other thread's, or past the matrix); in a q/k/v or output projection of a 0.5B model (1-2
+ * MB, half a thread) that was a quarter of its bytes. On a Zen 4 (2 cores; the 96 products of a
+ * 0.5B body's decode step on weights out of cache, interleaved, where a plain sum read 47-54 GB/s):
+ * one row 16.1-18.9 -> 15.2-16.8 ms (q/k/v 28-31 -> 35-39 GB/s, output 27-33 -> 36-38, down
+ * 40-47 -> 42-48, gate/up the same), 2 and 4 rows 5-10% faster, 8 rows about 5%; 4 steps and 16
+ * read about as 8, where the sum read ~32 GB/s all were within 3%. */
+#define SINGLE_BLOCK_AHEAD 8
 #ifndef CHUNK_STEPS
 /* steps of 32 inputs per chunk: a panel's chunk is 128 KB, held in L2 while every block passes
  * over it (a layer of 896 inputs is one chunk). Each block stores its sums once a chunk (and loads
@@ -71,9 +82,10 @@ static inline __m512bh pair_of(const uint16_t *p) {
  * added to the sums in acc (R rows of 32 floats: outputs 0-15, then 16-31), or stored there when
  * k0 is 0 (clearing acc before each panel, 4 KB at 32 rows, was 2% of a decode step of 32
  * sequences). R is a constant at each call site, so the loops over rows unroll and the sums stay
- * in registers. Lines [pf_lo, pf_hi) of each step's 32 are asked for a chunk ahead (into L2), and
- * the block whose share starts at line 0 also brings the next steps into L1 and asks for two lines
- * FIRST_BLOCK_AHEAD ahead with each pair of loads. */
+ * in registers. Lines [pf_lo, pf_hi) of each step's 32 are asked for a chunk ahead (into L2; a single
+ * block SINGLE_BLOCK_AHEAD steps ahead), and the block whose share starts at line 0 also asks for
+ * two lines FIRST_BLOCK_AHEAD ahead with each pair of loads, and (but for a single block of 5-8
+ * rows) brings the next steps into L1. */
 static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, int64_t k0, int64_t k1,
                                                               const uint16_t *x, int64_t ldx, const int R,
                                                               float *acc, int pf_lo, int pf_hi) {
@@ -82,13 +94,20 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
         s[r][0] = k0 ? _mm512_loadu_ps(acc + 32 * r) : _mm512_setzero_ps();
         s[r][1] = k0 ? _mm512_loadu_ps(acc + 32 * r + 16) : _mm512_setzero_ps();
     }
+    /* the next steps into L1 for the first of several blocks, and for a single block of up to 4
+     * rows; a single block of 5-8 rows, whose dot products take as long as its bytes take to
+     * arrive, reads faster without (Zen 4, a decode step's products at 8 rows, host's sum ~50 GB/s:
+     * 17.8-22.5 -> 17.0-18.9 ms; ~32 GB/s: 23.0-24.8 -> 22.5-23.6; at 1-4 rows the burst is worth
+     * 5-15%) */
+    const int near = pf_lo == 0 && pf_hi > 0 && (R <= 4 || pf_hi < 32);
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
         /* _mm_prefetch written out: through prefetch.h's helper, GCC 12 emitted no prefetch at all
          * in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
+        const int64_t ahead = pf_hi - pf_lo == 32 ? SINGLE_BLOCK_AHEAD : CHUNK_STEPS;
         for (int i = pf_lo; i < pf_hi; i++)
-            _mm_prefetch((const char *)(w + CHUNK_STEPS * 2 * TILE) + 64 * i, _MM_HINT_T1);
-        if (pf_lo == 0 && pf_hi > 0) /* one block only, also past 32 blocks (shares of none) */
+            _mm_prefetch((const char *)(w + ahead * 2 * TILE) + 64 * i, _MM_HINT_T1);
+        if (near) /* one block only, also past 32 blocks (shares of none) */
             for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
         for (int j = 0; j < 16; j++) {
             if (pf_lo == 0 && pf_hi > 0) { /* lines 2j, 2j + 1 of the step FIRST_BLOCK_AHEAD on */
