@@ -7,9 +7,9 @@
  * lanes, one instruction adds w[o][2j] x[2j] + w[o][2j + 1] x[2j + 1] to the float32 sums of the
  * 16 outputs. A block of up to ROWS activation rows shares every weight load (2 ROWS sums in
  * registers); a decode step (up to ROWS rows) is then a single pass over the weights, asked for
- * ahead (FIRST_BLOCK_AHEAD), on the huge pages the packed copy lives on. Panels are split
- * between threads; rows go in stretches that stay in L2 while every panel passes over them, and
- * never under MIN_STRETCH rows.
+ * ahead (SINGLE_BLOCK_AHEAD, FIRST_BLOCK_AHEAD), on the huge pages the packed copy lives on.
+ * Panels are split between threads; rows go in stretches that stay in L2 while every panel passes
+ * over them, and never under MIN_STRETCH rows.
  *
  * The sums are float32 in a fixed order (pairs of inputs, steps in order) whatever the number
  * of rows, so a row's result does not depend on its batch; bias and the gated epilogue
@@ -34,8 +34,8 @@
  * L3 instead of L2 (stretches of at least 512 rows: 845 -> 961 GF/s at 128 rows, 873 -> 980 at
  * 512; the layers of 896 inputs, 288 rows to L2, measured the same either way). */
 #define MIN_STRETCH 512
-/* The first block of rows (the only one in a decode step of 1-8 sequences) asks for its weights a
- * chunk ahead like every block, and also for two lines this far ahead with each pair of loads. A
+/* The first block of rows (the only one in a decode step of 1-8 sequences) asks for its weights
+ * ahead into L2 like every block, and also for two lines this far ahead with each pair of loads. A
  * single block used to ask for each step 8 KB (into L2) and 4 KB (into L1) ahead, 64 requests at
  * the start of the step; from 4 rows on, where a step's dot products take as long as its bytes
  * take to arrive, the two hardly overlapped. On a Zen 4 (2 cores; one call over 700 MB of weights,
@@ -98,16 +98,18 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
      * rows; a single block of 5-8 rows, whose dot products take as long as its bytes take to
      * arrive, reads faster without (Zen 4, a decode step's products at 8 rows, host's sum ~50 GB/s:
      * 17.8-22.5 -> 17.0-18.9 ms; ~32 GB/s: 23.0-24.8 -> 22.5-23.6; at 1-4 rows the burst is worth
-     * 5-15%) */
+     * 5-15%). A share starting at line 0 is the first block's; past 32 blocks, shares of no line
+     * (pf_lo == pf_hi == 0) ask for nothing. */
     const int near = pf_lo == 0 && pf_hi > 0 && (R <= 4 || pf_hi < 32);
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
         /* _mm_prefetch written out: through prefetch.h's helper, GCC 12 emitted no prefetch at all
-         * in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows) */
+         * in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows). `ahead` is
+         * loop-invariant, yet set beside `near` GCC laid the loop out differently; kept as measured. */
         const int64_t ahead = pf_hi - pf_lo == 32 ? SINGLE_BLOCK_AHEAD : CHUNK_STEPS;
         for (int i = pf_lo; i < pf_hi; i++)
             _mm_prefetch((const char *)(w + ahead * 2 * TILE) + 64 * i, _MM_HINT_T1);
-        if (near) /* one block only, also past 32 blocks (shares of none) */
+        if (near)
             for (int i = 0; i < 32; i++) _mm_prefetch((const char *)w + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
         for (int j = 0; j < 16; j++) {
             if (pf_lo == 0 && pf_hi > 0) { /* lines 2j, 2j + 1 of the step FIRST_BLOCK_AHEAD on */
