@@ -161,17 +161,29 @@ def _assert_attention_over_blocks(out, q, cache: PagedKV, block_ids, length: int
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(4, 4, 64), (8, 2, 64), (14, 2, 64), (16, 2, 64), (4, 1, 128), (8, 1, 128), (6, 2, 48)],
+    [
+        (4, 4, 64),
+        (8, 2, 64),
+        (14, 2, 64),
+        (16, 2, 64),
+        (9, 1, 64),
+        (4, 1, 128),
+        (12, 2, 128),
+        (8, 1, 128),
+        (6, 2, 48),
+    ],
 )
 @pytest.mark.parametrize("lengths", [[1, 16, 17, 70], [1, 2, 16, 17, 33, 40, 64, 70, 5, 80]])
 def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, head_dim, lengths) -> None:
     """Sequences of different lengths (1 to several blocks) over scattered blocks. Four sequences
     go one KV head per work item; ten (past four per thread) all of a sequence's heads in one.
-    Head groups of 1, 4, 7 and 8 at 64 (values weighed 7 heads a pass: one pass, and 7 + 1), of 4
-    and 8 at 128 (3 a pass: 3 + 1, 3 + 3 + 2), and a head size that is not a multiple of 32
-    (two heads a pass, values widened 16 at a time). Odd lengths leave a position pair half
-    empty. The values are weighed by the softmax numerators rounded to bf16, as the prompt
-    kernel (and PyTorch's flash kernel) do: the prompt kernel's tolerance."""
+    Each thread asks for the rows of the item it takes next. Head groups of 1 and 4 at 64 (scores
+    a head at a time), 7, 8 and 9 (scores by position: one pass, and 8 + 1), values weighed 4
+    heads a pass (4 + 3, 4 + 4, 4 + 4 + 1); of 4, 6 and 8 at 128 (values 3 a pass: 3 + 1, 3 + 3,
+    3 + 3 + 2); and a head size that is not a multiple of 32 (two heads a pass, values widened 16
+    at a time). Odd lengths leave a position pair half empty. The values are weighed by the
+    softmax numerators rounded to bf16, as the prompt kernel (and PyTorch's flash kernel) do: the
+    prompt kernel's tolerance."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     bs, lengths = 16, torch.tensor(lengths)
     n, num_blocks = len(lengths), 5
@@ -194,7 +206,7 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
 def test_decode_attention_kernel_past_its_stack_scratch(heads: int, kv_heads: int, length: int) -> None:
     """A work item's scratch (rows, scores, softmax sums) goes to the heap past 1,024 positions
     or 16 query heads a KV head: a long odd-length sequence, and 32 heads sharing one KV head
-    (values weighed 7 + 7 + 7 + 7 + 4 heads a pass)."""
+    (scores 8 + 8 + 8 + 8 heads a pass, values 4 at a time)."""
     gen = torch.Generator().manual_seed(length)
     bs, head_dim = 16, 64
     blocks = -(-length // bs)

@@ -2,9 +2,9 @@
 
 `library()`, for CPUs with AVX-512 (BF16) and bf16 models:
 - quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
-- layer_kernels.c: RMSNorm (alone or after the residual add), rotary embedding,
-  SiLU-and-multiply, and decode attention over the paged KV cache (layers/norm.py,
-  models/llama.py, attention/native_cpu.py);
+- layer_kernels.c: RMSNorm (alone or after the residual add), rotary embedding and
+  SiLU-and-multiply (layers/norm.py, models/llama.py);
+- decode_attention.c: decode attention over the paged KV cache (attention/native_cpu.py);
 - bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
 - quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
   quant_kernels.c's products);
@@ -76,6 +76,7 @@ _AVX512 = _Spec(
     (
         "quant_kernels.c",
         "layer_kernels.c",
+        "decode_attention.c",
         "bf16_gemm.c",
         "bf16_gemm_avx512.c",
         "quant_amx.c",

@@ -1,6 +1,6 @@
 /* RMSNorm, SiLU-and-multiply, rotary embedding and decode attention for float32 models on x86
- * CPUs with AVX2 and FMA: layer_kernels.c's functions for CPUs without AVX-512 BF16, where
- * models run in float32 (and GGUF weights on block_kernels.c).
+ * CPUs with AVX2 and FMA: layer_kernels.c's and decode_attention.c's functions for CPUs without
+ * AVX-512 BF16, where models run in float32 (and GGUF weights on block_kernels.c).
  *
  * Same arithmetic as PyTorch's float32 ops up to the order of float sums (and expf or exp_ps
  * against PyTorch's own exp). Each call replaces three to six small PyTorch ops per layer and token.
@@ -150,7 +150,7 @@ static void attend_span(const float *qf, const float *const *key, const float *c
 }
 
 /* One new token per sequence attends to its cached keys and values (its own included); the
- * layout is layer_kernels.c's dolmus_decode_attention, in float32. d % 8 == 0. Each span's
+ * layout is decode_attention.c's dolmus_decode_attention, in float32. d % 8 == 0. Each span's
  * partial result (its largest score, sum of exponentials and weighted values) is kept, and a
  * second pass rescales a sequence's spans to their common largest score and adds them. */
 void dolmus_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,

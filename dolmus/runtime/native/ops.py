@@ -1,4 +1,4 @@
-"""Python faces of layer_kernels.c and prefill_attention.c (bf16 tensors) and of
+"""Python faces of layer_kernels.c, decode_attention.c and prefill_attention.c (bf16 tensors) and of
 layer_kernels_f32.c and prefill_attention_f32.c (float32 tensors): each calls the kernel for its
 tensors' dtype. Callers check the library, dtype and layout first (layers/ops.py,
 attention/native_cpu.py)."""
@@ -50,7 +50,7 @@ def decode_attention(
 ) -> None:
     """One new token per sequence attends to its cache; writes out [n, Hq, D].
 
-    q [n, Hq, D] bf16 (layer_kernels.c) or float32 (layer_kernels_f32.c), rows may be
+    q [n, Hq, D] bf16 (decode_attention.c) or float32 (layer_kernels_f32.c), rows may be
     strided, heads contiguous; caches [slots, Hkv, D] contiguous, q's dtype; block_ids
     [n, num_blocks] and lengths [n] int64; D % 16 == 0. `window`: attend to the last `window`
     of each sequence's positions only (the blocks before them are not read)."""
