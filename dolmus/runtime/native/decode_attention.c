@@ -147,13 +147,14 @@ static inline void ask_ahead(const uint16_t *k_cache, const uint16_t *v_cache, c
 }
 
 /* Query heads a pass of scores_by_position takes (registers: one sum of 16 positions per head
- * beside the 16 transposed pairs of a quarter of a head). */
+ * beside the 16 rows' transposed pairs, 32 elements of each key). */
 #define SCORE_HEADS 8
 
-#define BY_POSITION_GROUP 6
 /* Whether scores_by_position computes the scores (else attend, one head at a time): from 6
  * query heads a KV head (Qwen2.5's 6-8), where reading each key row once for all the heads
- * outweighs transposing it; at 2-4 heads the transposes cost more than the lane sums. */
+ * outweighs transposing it; at 2 and 3 heads the transposes cost more than the lane sums, at 4
+ * (128-element heads) they broke even. */
+#define BY_POSITION_GROUP 6
 static inline int by_position(int64_t group, int64_t d) {
     return group >= BY_POSITION_GROUP && d % 32 == 0;
 }
