@@ -2,8 +2,8 @@
 
 On this project's AVX2 machines a float32 model runs the float32 kernels (RMSNorm, rotary,
 SiLU-and-multiply, decode attention: runtime/native/layer_kernels_f32.c); on AVX-512 BF16
-ones a bf16 model runs layer_kernels.c. The default model (stories260k), greedy,
-`ignore_eos`, 128 output tokens; 64 streams at once and one stream.
+ones a bf16 model runs layer_kernels.c and decode_attention.c. The default model
+(stories260k), greedy, `ignore_eos`, 128 output tokens; 64 streams at once and one stream.
 
     python benchmarks/native_kernels_onoff.py [--rounds 3] [--dtype float32] [--model DIR]
 """
