@@ -3,7 +3,8 @@
 On a CPU with bf16 (AVX-512 BF16, AMX) `auto` runs a quantized file in bf16: its 4-bit codes
 on the int4 kernel (quant_kernels.c), its 8-bit ones on block_kernels.c, the norms and rotary
 on layer_kernels.c, attention on decode_attention.c; float32 runs every block type on
-block_kernels.c and the float32 layer kernels. On a CPU without bf16 the two are the same run (the script says so).
+block_kernels.c and the float32 layer kernels. On a CPU without bf16 the two are the same run
+(the script says so).
 In-process `LLM.generate`, greedy, `ignore_eos`, 128 output tokens, at 1, 8 and 32 streams.
 
     python benchmarks/gguf_dtype.py [--model FILE.gguf] [--rounds 3]
