@@ -422,10 +422,12 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * memory once: one head per item read each line twice, from two cores at two times (24 layers
  * of 32 sequences of 190 positions, Qwen2.5-0.5B's 2 KV heads, caches out of cache: 5.3 -> 5.0
  * ms; 64 sequences of 256: 14.9 -> 13.6 ms).
- * Each thread claims its next item as it starts one and asks for that item's rows while it
- * works (ask_next), so no item starts on cold misses: 24 layers of 32 sequences of 210
- * positions, blocks as the engine hands them out, a Zen 4: 7.4-8.5 -> 5.1-5.8 ms; of 700
- * positions 24-25 -> 17.5-19.8 ms; of 2,000 78-83 -> 60-64 ms.
+ * Each thread starts on the item of its own number, claims its next item as it starts one and
+ * asks for that item's rows while it works (ask_next), so only a thread's first item starts on
+ * cold misses: 24 layers of 32 sequences of 210 positions, blocks as the engine hands them out,
+ * a Zen 4: 7.4-8.5 -> 5.1-5.8 ms; of 700 positions 24-25 -> 17.5-19.8 ms; of 2,000 78-83 ->
+ * 60-64 ms. A claimed item waits for its thread: the last items can leave a thread idle for up
+ * to one item's time.
  * d % 16 == 0, d <= 256. */
 void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
