@@ -170,6 +170,8 @@ def _assert_attention_over_blocks(out, q, cache: PagedKV, block_ids, length: int
         (4, 1, 128),
         (12, 2, 128),
         (8, 1, 128),
+        (12, 2, 96),
+        (6, 1, 256),
         (6, 2, 48),
     ],
 )
@@ -180,8 +182,9 @@ def test_decode_attention_kernel_equals_sdpa_over_gathered_blocks(heads, kv_head
     Each thread asks for the rows of the item it takes next. Head groups of 1 and 4 at 64 (scores
     a head at a time), 7, 8 and 9 (scores by position: one pass, and 8 + 1), values weighed 4
     heads a pass (4 + 3, 4 + 4, 4 + 4 + 1); of 4, 6 and 8 at 128 (values 3 a pass: 3 + 1, 3 + 3,
-    3 + 3 + 2); and a head size that is not a multiple of 32 (two heads a pass, values widened 16
-    at a time). Odd lengths leave a position pair half empty. The values are weighed by the
+    3 + 3 + 2); 6 at 96 (three transposes of 16 pairs) and at 256 (values widened, two heads a
+    pass); and a head size that is not a multiple of 32 (two heads a pass, values widened 16 at
+    a time). Odd lengths leave a position pair half empty. The values are weighed by the
     softmax numerators rounded to bf16, as the prompt kernel (and PyTorch's flash kernel) do: the
     prompt kernel's tolerance."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
