@@ -232,6 +232,48 @@ static inline __attribute__((always_inline)) void scores_by_position(
     }
 }
 
+/* scores[p] = scale * q . k(p) for one query head q and every position p, 16 positions at a
+ * time: each row's dot products in lanes, folded into one score each by sum16. Returns the
+ * lane-wise largest scores. `ahead`, nx: as attend's. */
+static inline __attribute__((always_inline)) __m512 scores_by_head(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows, int64_t len,
+    const int64_t d, float scale, float *scores, int64_t ahead, next_rows *nx) {
+    const int64_t pairs = (d + 31) / 32;              /* zmm of bf16 pairs */
+    const __mmask16 tail = d % 32 ? 0x00FF : 0xFFFF; /* d % 32 == 16: half a vector of pairs */
+    __m512bh qv[16];
+    for (int64_t c = 0; c < pairs; c++)
+        qv[c] = (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, q + 32 * c);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        __m512 dots[16];
+        int64_t count = len - p0 < 16 ? len - p0 : 16;
+        ask_next(nx);
+        ask_ahead(k_cache, v_cache, rows + p0, count, d, ahead);
+        for (int i = 0; i < 16; i++) { /* past the end: position p0 again, its lane unused */
+            const uint16_t *kr = k_cache + rows[p0 + (i < count ? i : 0)];
+            dots[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < pairs; c++)
+                dots[i] = _mm512_dpbf16_ps(dots[i], qv[c],
+                                           (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, kr + 32 * c));
+        }
+        __mmask16 k = first_lanes(count);
+        __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + p0, k, s);
+        top = _mm512_mask_max_ps(top, k, top, s);
+    }
+    return top;
+}
+
+/* The lane-wise largest of `len` scores. */
+static inline __m512 largest(const float *scores, int64_t len) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        __mmask16 k = first_lanes(len - p0);
+        top = _mm512_mask_max_ps(top, k, top, _mm512_maskz_loadu_ps(k, scores + p0));
+    }
+    return top;
+}
+
 /* The query heads q[g][d] (bf16) sharing KV head h attend to its `len` cached positions;
  * out[g][d] gets the result. Scores are bf16 dot products (exact products, float32 sums),
  * 16 positions at a time; the values are weighed by the softmax's numerators rounded to bf16 (in
@@ -244,8 +286,7 @@ static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
     int64_t len, int64_t group, const int64_t d, float scale, float *scores, float *inv, uint16_t *out,
     int64_t ahead, next_rows *nx) {
-    const int64_t pairs = (d + 31) / 32, chunks = d / 16; /* zmm of bf16 pairs; of 16 floats */
-    const __mmask16 tail = d % 32 ? 0x00FF : 0xFFFF;      /* d % 32 == 16: half a vector of pairs */
+    const int64_t chunks = d / 16; /* zmm of 16 floats */
     const int by_pos = by_position(group, d);
     if (by_pos)
         for (int64_t g = 0; g < group; g += SCORE_HEADS) {
@@ -254,45 +295,20 @@ static inline __attribute__((always_inline)) void attend(
             float *sg = scores + g * len;
             int64_t pf = g == 0 ? ahead : -1;
             switch (h) {
+            case 1: scores_by_position(qg, k_cache, v_cache, rows, len, 1, d, scale, sg, pf, nx); break;
             case 2: scores_by_position(qg, k_cache, v_cache, rows, len, 2, d, scale, sg, pf, nx); break;
             case 3: scores_by_position(qg, k_cache, v_cache, rows, len, 3, d, scale, sg, pf, nx); break;
             case 4: scores_by_position(qg, k_cache, v_cache, rows, len, 4, d, scale, sg, pf, nx); break;
             case 5: scores_by_position(qg, k_cache, v_cache, rows, len, 5, d, scale, sg, pf, nx); break;
             case 6: scores_by_position(qg, k_cache, v_cache, rows, len, 6, d, scale, sg, pf, nx); break;
             case 7: scores_by_position(qg, k_cache, v_cache, rows, len, 7, d, scale, sg, pf, nx); break;
-            case 8: scores_by_position(qg, k_cache, v_cache, rows, len, 8, d, scale, sg, pf, nx); break;
-            default: scores_by_position(qg, k_cache, v_cache, rows, len, 1, d, scale, sg, pf, nx); break;
+            default: scores_by_position(qg, k_cache, v_cache, rows, len, 8, d, scale, sg, pf, nx); break;
             }
         }
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * len;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        if (by_pos)
-            for (int64_t p0 = 0; p0 < len; p0 += 16)
-                top = _mm512_mask_max_ps(top, first_lanes(len - p0), top, _mm512_maskz_loadu_ps(first_lanes(len - p0), sg + p0));
-        else {
-        __m512bh qv[16];
-        for (int64_t c = 0; c < pairs; c++)
-            qv[c] = (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, q + g * d + 32 * c);
-        for (int64_t p0 = 0; p0 < len; p0 += 16) {
-            __m512 dots[16];
-            int64_t count = len - p0 < 16 ? len - p0 : 16;
-            ask_next(nx);
-            if (g == 0) ask_ahead(k_cache, v_cache, rows + p0, count, d, ahead);
-            for (int i = 0; i < 16; i++) { /* past the end: position p0 again, its lane unused */
-                const uint16_t *kr = k_cache + rows[p0 + (i < count ? i : 0)];
-                dots[i] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < pairs; c++)
-                    dots[i] = _mm512_dpbf16_ps(
-                        dots[i], qv[c],
-                        (__m512bh)_mm512_maskz_loadu_epi32(c + 1 < pairs ? 0xFFFF : tail, kr + 32 * c));
-            }
-            __mmask16 k = first_lanes(count);
-            __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(sg + p0, k, s);
-            top = _mm512_mask_max_ps(top, k, top, s);
-        }
-        }
+        __m512 top = by_pos ? largest(sg, len)
+                            : scores_by_head(q + g * d, k_cache, v_cache, rows, len, d, scale, sg, g == 0 ? ahead : -1, nx);
         /* the numerators e = exp(s - max) rounded to bf16, in place of the scores (each store
          * lands on scores already read), a zero after an odd count, and one over their float32
          * sum: out = bf16(e) . v / sum(e), prefill_attention.c's order (and PyTorch's flash kernel's) */
@@ -388,7 +404,7 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
          * brought into the TLB. Blocks are scattered, and each block's rows were a cold
          * stream that every head met in turn (24 layers of 32 sequences of 190 positions,
          * blocks shuffled, a Zen 4: 7.7-11 -> 6.7-7.4 ms; asking for the next rows' keys
-         * too was no faster). Long contexts too, though their rows outgrow L2 before their
+         * too was no faster there, though scores_by_position needs it: KEYS_AHEAD). Long contexts too, though their rows outgrow L2 before their
          * use (L3 still has them): 2,000 positions 103-110 -> 88-89 ms */
         int64_t ahead = h == h0 ? 2 * d * (per_item - 1) : -1;
         for (int64_t p = 0, b = first / bs, i = first % bs; p < len; p++) {
