@@ -8,6 +8,7 @@ import pytest
 from conftest import build_model_dir
 
 from dolmus import LLM, SamplingParams
+from dolmus.pooling_params import PoolingParams
 from dolmus.runtime import native as native_build
 from helpers import random_prompts
 
@@ -42,6 +43,43 @@ def test_fused_decode_gives_the_modules_bits(model_root, arch: str, quantization
         assert fused.engine.runner.fused_decoder is not None
     assert _outputs(fused) == _outputs(modules)
     assert fused.engine.runner.fused_steps >= (0 if fused.engine.runner.fused_decoder is None else 15)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+@pytest.mark.parametrize("arch", ["llama-wide", "qwen3"])
+def test_steps_with_prompt_chunks_run_fused_with_the_modules_bits(
+    model_root, arch: str, quantization: str | None
+) -> None:
+    """Steps with prompt chunks in the fused step (prefill_attention.c inside it): whole
+    prompts, then under a 24-token budget chunks of the longer prompts beside the shorter ones'
+    decodes, then the same prompts again as prefix-cache hits (chunks after cached blocks, and
+    a prompt whose one uncached token is a decode row, sampled before rows that precede it)."""
+    folder = build_model_dir(arch, model_root)
+    for budget in (None, 24):
+        kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization)
+        kw["max_num_batched_tokens"] = budget
+        fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+        if fused.engine.runner.fused_decoder is None:
+            pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
+        assert fused.engine.runner.fused_decoder.prompt_rows > 0
+        assert [_outputs(fused), _outputs(fused)] == [_outputs(modules), _outputs(modules)]
+        assert fused.engine.runner.fused_prompt_steps >= (2 if budget is None else 8)
+        assert modules.engine.runner.fused_prompt_steps == 0
+
+
+def test_embeddings_of_prompts_run_fused_with_every_row(model_root) -> None:
+    """An embedding request pools every row's final hidden state: the fused step with prompt
+    chunks then keeps all rows, and the vectors are the modules'."""
+    folder = build_model_dir("llama-wide", model_root)
+    kw = dict(model=str(folder), dtype="bfloat16")
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    if fused.engine.runner.fused_decoder is None:
+        pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
+    for pooling in ("last", "mean"):
+        vectors = fused.embed(PROMPTS, PoolingParams(pooling))
+        assert vectors == modules.embed(PROMPTS, PoolingParams(pooling))
+        assert len(vectors) == len(PROMPTS) and all(len(v) == 128 for v in vectors)
+    assert fused.engine.runner.fused_prompt_steps >= 2
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -169,8 +169,8 @@ def test_the_decode_kernel_reads_only_the_window(dtype: torch.dtype) -> None:
 
 
 def test_the_fused_decode_step_takes_the_window(swa_root: Path) -> None:
-    """bf16 with int8 weights (our kernels): the fused step runs for a windowed model past
-    its window, with the modules' tokens and log-probabilities bit for bit."""
+    """bf16 with int8 weights (our kernels): the fused step runs decodes for a windowed model
+    past its window, with the modules' tokens and log-probabilities bit for bit."""
     from dolmus import SamplingParams
     from dolmus.runtime import native
 
@@ -200,6 +200,9 @@ def test_the_fused_decode_step_takes_the_window(swa_root: Path) -> None:
 
     assert outputs(fused) == outputs(modules)
     assert fused.engine.runner.fused_steps >= 20
+    # the prefill kernel has no window: steps with prompt chunks stay on the modules
+    assert fused.engine.runner.fused_decoder.prompt_rows == 0
+    assert fused.engine.runner.fused_prompt_steps == 0
 
 
 def test_speculative_decoding_past_the_window_keeps_the_tokens(swa_root: Path) -> None:

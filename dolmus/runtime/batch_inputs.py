@@ -3,7 +3,7 @@
 `RunnerSequence` is what the runner keeps of a request between steps (runtime/persistent_batch.py
 updates it from each plan's diff). `BatchInputs` turns the entries of one step (a sequence,
 the context before its tokens, how many tokens) into the flat input ids and positions and the
-attention backend's metadata, or into the columns a fused decode step reads. The index
+attention backend's metadata, or into the columns a fused step reads. The index
 arithmetic runs in numpy over the block table's memory: its small operations cost a
 microsecond where torch's cost several, and a step does over a dozen.
 """
@@ -158,3 +158,52 @@ class BatchInputs:
         if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
             tokens = resolve_inflight(tokens, self.inflight.device_buffer)
         return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
+
+    def fused_step(
+        self,
+        decoder: FusedDecoder,
+        decodes: list[tuple[RunnerSequence, int]],
+        chunks: list[tuple[RunnerSequence, int, int]],
+        keep: list[int] | None,
+    ) -> torch.Tensor | None:
+        """The final hidden states of a step with prompt chunks by the fused step: decodes (a
+        sequence and the context before its token), then chunks (a sequence, the context before
+        the chunk, its tokens), laid out as `prepare` lays them; `keep`: the only rows wanted,
+        in this order (None: all). None where the fused step could not run it."""
+        bs, nd = self.block_size, len(decodes)
+        tokens = [seq.token_at(ctx) for seq, ctx in decodes]
+        for seq, ctx, n in chunks:
+            tokens.extend(seq.token_ids[ctx : ctx + n])
+        rows = len(tokens)
+        # per entry (decodes, then chunks): its block-table row, context and token count
+        entries = np.array(
+            [(seq.row, ctx, 1) for seq, ctx in decodes] + [(seq.row, ctx, n) for seq, ctx, n in chunks],
+            dtype=np.int64,
+        ).T
+        contexts, counts = entries[1], entries[2]
+        starts = np.cumsum(counts) - counts
+        of_row = np.repeat(np.arange(len(counts)), counts)
+        cols = np.empty((3, rows), dtype=np.int64)  # tokens, positions, slots
+        cols[0] = tokens
+        positions = cols[1]
+        positions[:] = contexts[of_row] + np.arange(rows) - starts[of_row]
+        width = min(int((contexts + counts).max()) // bs + 1, self.max_blocks_per_seq)
+        table = self.table.rows[entries[0], :width]  # a contiguous copy
+        np.add(table[of_row, positions // bs] * bs, positions % bs, out=cols[2])
+        chunk_cols = np.ascontiguousarray(np.stack((starts[nd:], counts[nd:], contexts[nd:])))
+        cols_t = torch.from_numpy(cols)
+        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
+            cols_t[0] = resolve_inflight(cols_t[0], self.inflight.device_buffer)
+        # the kernel keeps rows in ascending order (a row's bits do not depend on its batch)
+        ascending = None if keep is None else torch.tensor(sorted(keep), dtype=torch.int64)
+        hidden = decoder.run_step(
+            cols_t,
+            torch.from_numpy(table),
+            nd,
+            torch.from_numpy(contexts[:nd] + 1),
+            torch.from_numpy(chunk_cols),
+            ascending,
+        )
+        if hidden is None or ascending is None or ascending.tolist() == keep:
+            return hidden
+        return hidden.index_select(0, torch.searchsorted(ascending, torch.tensor(keep, dtype=torch.int64)))

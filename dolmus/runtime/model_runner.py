@@ -33,6 +33,7 @@ from dolmus.runtime.kernel_choice import attention_backend_name, layer_ops, suit
 from dolmus.runtime.kv_sizing import plan_kv_blocks, target_kv_bytes_per_token
 from dolmus.runtime.layers.linear import module_bytes
 from dolmus.runtime.loader import load_model
+from dolmus.runtime.models.llama_decode import FusedDecoder
 from dolmus.runtime.persistent_batch import PersistentBatch
 from dolmus.runtime.pooler import Pooler
 from dolmus.runtime.runner_spec import RunnerSpec
@@ -143,7 +144,8 @@ class ModelRunner:
         # Decode-only steps (drafts included: one row per position) in one C call, where the
         # whole model runs on our kernels.
         self.fused_decoder = None
-        self.fused_steps = 0  # steps it ran (tests and benchmarks check it is used)
+        self.fused_steps = 0  # decode steps it ran (tests and benchmarks check it is used)
+        self.fused_prompt_steps = 0  # and steps with prompt chunks
         if self.eagle is not None and config.fused_decode:
             logger.info(
                 "fused decode step: off (an EAGLE-3 or MTP head reads hidden states it does not keep)"
@@ -311,15 +313,26 @@ class ModelRunner:
             offset += n
         fused = self.fused_decoder
         sampled_rows = None  # with prompt chunks: the only rows of `hidden` computed, in order
+        if chunks and not drafts and self._reads_only_sampled_rows(scheduled):
+            sampled_rows = [rows_of[rid][-1] for rid, seq, n in scheduled if seq.samples_after(n)]
+        hidden = None
         if fused is not None and not chunks and len(decodes) <= fused.max_rows:
             hidden = self.inputs.fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
             self.fused_steps += 1
-        else:
+        elif isinstance(fused, FusedDecoder) and chunks and not drafts and self.drafter is None:
+            if offset <= fused.prompt_rows:  # the step's rows
+                hidden = self.inputs.fused_step(
+                    fused,
+                    [(seq, ctx) for _, seq, ctx in decodes],
+                    [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks],
+                    sampled_rows,
+                )
+                self.fused_prompt_steps += hidden is not None
+        if hidden is None:
             entries = [(seq, ctx, 1) for _, seq, ctx in decodes]
             entries += [(seq, seq.num_computed_tokens, n) for _, seq, n in chunks]
             input_ids, positions, meta = self.inputs.prepare(entries, len(decodes))
-            if chunks and not drafts and self._reads_only_sampled_rows(scheduled):
-                sampled_rows = [rows_of[rid][-1] for rid, seq, n in scheduled if seq.samples_after(n)]
+            if sampled_rows is not None:
                 keep = torch.tensor(sampled_rows, dtype=torch.long).to(self.device, non_blocking=True)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, keep)
             else:

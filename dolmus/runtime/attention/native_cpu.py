@@ -38,7 +38,8 @@ def _prefill_library(dtype: torch.dtype) -> object | None:
     return native.avx2_library() if dtype == torch.float32 else None
 
 
-def _prefill_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+def prefill_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the prefill kernel for `dtype` takes this head size (the fused step asks too)."""
     if dtype == torch.bfloat16:
         return head_dim % 32 == 0 and head_dim <= 128
     return head_dim % 16 == 0
@@ -79,7 +80,7 @@ class NativeCPUBackend(TorchSDPABackend):
             and prefills is meta.prefills  # no chunk cut by a sliding window (the kernel has none)
             and type(kv_cache) is PagedKV  # not a quantized cache
             and q.dtype == kv_cache.data.dtype
-            and _prefill_kernel_takes(q.dtype, head_dim)
+            and prefill_kernel_takes(q.dtype, head_dim)
             and q.stride(2) == 1
             and q.stride(1) == head_dim
             and native_ops.prefill_attention(

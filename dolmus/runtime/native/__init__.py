@@ -8,8 +8,8 @@
 - bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
 - quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
   quant_kernels.c's products);
-- decode_step.c: a whole decode step of a Llama-family model, those kernels back to back
-  (decode_step.py, runtime/models/llama_decode.py);
+- decode_step.c: a whole step of a Llama-family model (decodes, and prompt chunks with them),
+  those kernels back to back (decode_step.py, runtime/models/llama_decode.py);
 - prefill_attention.c: prompt chunks' attention over the paged KV cache, on AMX tiles or on
   vdpbf16ps (attention/native_cpu.py).
 
@@ -21,7 +21,7 @@
 - layer_kernels_f32.c: the float32 RMSNorm, rotary, SiLU-and-multiply and decode attention;
 - bf16_weights_f32.c: float32 products on weights kept in bf16, where bf16 is emulated
   (bf16_weights.py);
-- decode_step_f32.c: decode_step.c's whole decode step for float32 models, on these kernels.
+- decode_step_f32.c: decode_step.c's whole step for float32 models, on these kernels.
 
 At batch 1 a decode step is a few hundred small PyTorch ops besides the weight reads, each
 costing microseconds of dispatch and a wake-up of the thread pool; one call here replaces
@@ -114,13 +114,15 @@ _AVX512 = _Spec(
         "dolmus_amx_quant_usable": [_i64, _i64, _i64, _i64],
         # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        # (decoder, step rows (model_step.h), out): 0, or -1 when the prefill kernel ran out of memory
+        "dolmus_model_step": [_ptr, _ptr, _ptr],
         # (q, q_stride, k_cache, v_cache, block_ids, nb, starts, lens, contexts, nseq, out, out_stride,
         #  hq, hkv, d, bs, scale)
         "dolmus_prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
         + [_i64] * 4
         + [_f32],
     },
-    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h", "panel_split.h"),
+    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h", "panel_split.h", "model_step.h"),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",
@@ -153,13 +155,14 @@ _AVX2 = _Spec(
         "dolmus_bf16w_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         # as dolmus_decode_step
         "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        "dolmus_model_step_f32": [_ptr, _ptr, _ptr],
         # as dolmus_prefill_attention, in float32
         "dolmus_prefill_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
         + [_ptr, _i64]
         + [_i64] * 4
         + [_f32],
     },
-    headers=("kernels_f32.h", "exp_avx2.h", "sums_avx2.h"),
+    headers=("kernels_f32.h", "exp_avx2.h", "sums_avx2.h", "model_step.h"),
 )
 LIBRARIES = (_AVX512, _AVX2)
 # every other kernel returns nothing
@@ -168,6 +171,8 @@ _RETURNS = {
     "dolmus_amx_quant_usable": ctypes.c_int,
     "dolmus_prefill_attention": ctypes.c_int,
     "dolmus_prefill_attention_f32": ctypes.c_int,
+    "dolmus_model_step": ctypes.c_int,
+    "dolmus_model_step_f32": ctypes.c_int,
 }
 # Loops start on 64-byte lines: the one-row weight stream's loop ran ~12% slower (decode at one
 # user 23 -> 26-27 ms per token) after an unrelated edit elsewhere in the same function moved it.

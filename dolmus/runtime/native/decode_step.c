@@ -1,13 +1,14 @@
-/* One decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) in one call: every
- * sequence of the batch has one new token; from the token ids to the final norm's output.
+/* One step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) in one call, from the token
+ * ids to the final norm's output: a decode step (every sequence has one new token), or a step
+ * with prompt chunks too (model_step.h lays the rows out).
  *
- * The module path makes the same kernel calls (layer_kernels.c, quant_kernels.c,
- * bf16_gemm.c) with a few dozen PyTorch ops and Python calls around them per layer: at one
- * sequence of a small model that glue costs as much as the weight reads. Here the same
- * kernels run back to back on scratch buffers the caller allocated once, and the elementwise
- * steps between them round to bf16 exactly where PyTorch's bf16 ops do, so the hidden states
- * are bit for bit the module path's (runtime/models/llama_decode.py builds the descriptors, and
- * the tests compare the two).
+ * The module path makes the same kernel calls (layer_kernels.c, decode_attention.c,
+ * prefill_attention.c, quant_kernels.c, bf16_gemm.c) with a few dozen PyTorch ops and Python
+ * calls around them per layer: at one sequence of a small model that glue costs as much as the
+ * weight reads, and on a 128-token prompt ~3%. Here the same kernels run back to back on scratch
+ * buffers the caller holds, and the elementwise steps between them round to bf16 exactly where
+ * PyTorch's bf16 ops do, so the hidden states are bit for bit the module path's
+ * (runtime/models/llama_decode.py builds the descriptors, and the tests compare the two).
  */
 #include <stdint.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 
 #include "bf16_simd.h"
 #include "kernels.h"
+#include "model_step.h"
 
 /* Which kernel multiplies a linear layer (layers/linear_method.py's NativeKind). */
 enum { LINEAR_AMX_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT8_GROUPS = 3 };
@@ -98,16 +100,26 @@ static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_
     dolmus_silu_and_mul(m->gate_up, m->act, rows, m->inner);
 }
 
-/* tokens [rows]: the new token of each sequence; positions [rows]; slots [rows]: where its
- * key and value go; block_ids [rows][nb] and lengths [rows] (positions + 1): what it attends
- * to. out [rows][hidden]: the final norm's output, for the LM head. */
-void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
-                        const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
-                        uint16_t *out) {
+/* Rows [0, kept) of the last layer's inputs become rows keep[0..kept): the attention output and
+ * the residual stream, the two inputs of what follows attention. keep ascends, so no row is
+ * overwritten before it is moved. */
+static void keep_rows(uint16_t *x, int64_t cols, const int64_t *keep, int64_t kept) {
+    for (int64_t j = 0; j < kept; j++)
+        if (keep[j] != j) memmove(x + j * cols, x + keep[j] * cols, sizeof(uint16_t) * (size_t)cols);
+}
+
+/* One step of the rows in `s`: every row's key and value go to the cache; decodes attend with
+ * the decode kernel, prompt chunks with the prefill kernel (prefill_attention.c); the last layer
+ * goes on with the kept rows alone (a prompt chunk samples from its last row at most). out
+ * [kept][hidden]: the final norm's output, for the LM head. Returns 0, or -1 when the prefill
+ * kernel ran out of memory (the caller runs the step another way; the keys and values written
+ * so far are the ones it writes again). */
+int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out) {
     const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
     const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
+    int64_t rows = s->rows;
     for (int64_t t = 0; t < rows; t++)
-        memcpy(m->residual + t * hidden, m->embed + tokens[t] * hidden, sizeof(uint16_t) * (size_t)hidden);
+        memcpy(m->residual + t * hidden, m->embed + s->tokens[t] * hidden, sizeof(uint16_t) * (size_t)hidden);
     for (int64_t i = 0; i < m->num_layers; i++) {
         const dolmus_layer *L = m->layers + i;
         dolmus_rms_norm(m->residual, L->input_norm, m->normed, rows, hidden, m->eps);
@@ -118,14 +130,25 @@ void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *to
                 dolmus_rms_norm(row, L->q_norm, row, hq, d, m->eps);
                 dolmus_rms_norm(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
             }
-            const int64_t p = positions[t];
+            const int64_t p = s->positions[t];
             dolmus_rotary(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
             size_t bytes = sizeof(uint16_t) * (size_t)kv_size;
-            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, bytes);
-            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, bytes);
+            memcpy(L->k_cache + s->slots[t] * kv_size, row + q_size, bytes);
+            memcpy(L->v_cache + s->slots[t] * kv_size, row + q_size + kv_size, bytes);
         }
-        dolmus_decode_attention(m->qkv, width, L->k_cache, L->v_cache, block_ids, nb, lengths, m->attn, rows,
-                                hq, hkv, d, m->block_size, m->scale, L->window);
+        if (s->decodes)
+            dolmus_decode_attention(m->qkv, width, L->k_cache, L->v_cache, s->block_ids, s->nb, s->lengths, m->attn,
+                                    s->decodes, hq, hkv, d, m->block_size, m->scale, L->window);
+        if (s->chunks && dolmus_prefill_attention(m->qkv, width, L->k_cache, L->v_cache, s->chunk_blocks, s->chunk_nb,
+                                                  s->starts, s->lens, s->contexts, s->chunks, m->attn, q_size, hq,
+                                                  hkv, d, m->block_size, m->scale))
+            return -1;
+        if (i == m->num_layers - 1 && s->keep) {
+            keep_rows(m->attn, q_size, s->keep, s->kept);
+            keep_rows(m->residual, hidden, s->keep, s->kept);
+            rows = s->kept;
+            if (!rows) return 0;
+        }
         linear(&L->o, m->attn, m->delta, rows);
         add_rows(m->residual, m->delta, rows, hidden, hidden);
         dolmus_rms_norm(m->residual, L->post_norm, m->normed, rows, hidden, m->eps);
@@ -134,4 +157,16 @@ void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *to
         add_rows(m->residual, m->delta, rows, hidden, hidden);
     }
     dolmus_rms_norm(m->residual, m->final_norm, out, rows, hidden, m->eps);
+    return 0;
+}
+
+/* A step of decodes alone: tokens [rows], the new token of each sequence; positions [rows];
+ * slots [rows]: where its key and value go; block_ids [rows][nb] and lengths [rows] (positions +
+ * 1): what it attends to. out [rows][hidden]. */
+void dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
+                        const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
+                        uint16_t *out) {
+    dolmus_step s = {rows, tokens, positions, slots, rows, block_ids, nb, lengths, 0, NULL, 0, NULL, NULL, NULL,
+                     rows, NULL};
+    dolmus_model_step(m, &s, out);
 }

@@ -1,5 +1,6 @@
 """Python face of decode_step.c and decode_step_f32.c: their descriptor structs (one layout for
-both, tensors of the model's dtype), filled from tensors, and the call.
+both, tensors of the model's dtype), filled from tensors, a step's rows (model_step.h), and the
+calls.
 
 The structs hold raw pointers: whoever builds them keeps the tensors alive (FusedDecoder in
 runtime/models/llama_decode.py holds the model and its scratch buffers)."""
@@ -61,6 +62,29 @@ class DecoderDesc(ctypes.Structure):
     ]
 
 
+class StepDesc(ctypes.Structure):
+    """model_step.h's rows of one step: decodes first, then prompt chunks."""
+
+    _fields_ = [
+        ("rows", _i64),
+        ("tokens", _p),
+        ("positions", _p),
+        ("slots", _p),
+        ("decodes", _i64),
+        ("block_ids", _p),
+        ("nb", _i64),
+        ("lengths", _p),
+        ("chunks", _i64),
+        ("chunk_blocks", _p),
+        ("chunk_nb", _i64),
+        ("starts", _p),
+        ("lens", _p),
+        ("contexts", _p),
+        ("kept", _i64),
+        ("keep", _p),
+    ]
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
@@ -107,3 +131,14 @@ def decode_step(
         lengths.data_ptr(),
         out.data_ptr(),
     )
+
+
+def model_step(decoder: DecoderDesc, step: StepDesc, out: torch.Tensor) -> bool:
+    """Run a step of decodes and prompt chunks (`step` points into int64 tensors the caller
+    keeps alive); out [kept, hidden] gets the final norm's output. False when the prefill kernel
+    ran out of memory (out unwritten: the caller runs the step another way)."""
+    if out.dtype == torch.float32:
+        step_fn = avx2_library().dolmus_model_step_f32
+    else:
+        step_fn = library().dolmus_model_step
+    return step_fn(ctypes.addressof(decoder), ctypes.addressof(step), out.data_ptr()) == 0

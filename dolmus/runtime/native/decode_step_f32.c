@@ -1,6 +1,7 @@
-/* decode_step.c for float32 models on AVX2: one decode step of a Llama-family model in one
- * call, on the float32 kernels (layer_kernels_f32.c) and the AVX2 products (bf16 weights kept
- * under float32, bf16_weights_f32.c; GGUF's 4- and 8-bit blocks, block_kernels.c).
+/* decode_step.c for float32 models on AVX2: one step of a Llama-family model (decodes, and
+ * prompt chunks with them) in one call, on the float32 kernels (layer_kernels_f32.c,
+ * prefill_attention_f32.c) and the AVX2 products (bf16 weights kept under float32,
+ * bf16_weights_f32.c; GGUF's 4- and 8-bit blocks, block_kernels.c).
  *
  * The module path makes the same calls with PyTorch's float32 adds between them, so the hidden
  * states are bit for bit the module path's (runtime/models/llama_decode.py builds the
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "kernels_f32.h"
+#include "model_step.h"
 
 /* Which kernel multiplies a linear layer (layers/linear_method.py's NativeKind). */
 enum { LINEAR_BF16_F32 = 4, LINEAR_Q4_F32 = 5, LINEAR_Q8_F32 = 6, LINEAR_Q8_I8 = 7, LINEAR_Q4_I8 = 8 };
@@ -76,14 +78,19 @@ static void add_rows(float *y, const float *b, int64_t rows, int64_t n) {
     for (int64_t i = 0; i < rows * n; i++) y[i] += b[i];
 }
 
-/* As dolmus_decode_step (decode_step.c), in float32. */
-void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
-                            const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
-                            float *out) {
+/* As keep_rows in decode_step.c. */
+static void keep_rows(float *x, int64_t cols, const int64_t *keep, int64_t kept) {
+    for (int64_t j = 0; j < kept; j++)
+        if (keep[j] != j) memmove(x + j * cols, x + keep[j] * cols, sizeof(float) * (size_t)cols);
+}
+
+/* As dolmus_model_step (decode_step.c), in float32. */
+int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out) {
     const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
     const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
+    int64_t rows = s->rows;
     for (int64_t t = 0; t < rows; t++)
-        memcpy(m->residual + t * hidden, m->embed + tokens[t] * hidden, sizeof(float) * (size_t)hidden);
+        memcpy(m->residual + t * hidden, m->embed + s->tokens[t] * hidden, sizeof(float) * (size_t)hidden);
     for (int64_t i = 0; i < m->num_layers; i++) {
         const layer_f32 *L = m->layers + i;
         dolmus_rms_norm_f32(m->residual, L->input_norm, m->normed, rows, hidden, m->eps);
@@ -94,14 +101,25 @@ void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *t
                 dolmus_rms_norm_f32(row, L->q_norm, row, hq, d, m->eps);
                 dolmus_rms_norm_f32(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
             }
-            const int64_t p = positions[t];
+            const int64_t p = s->positions[t];
             dolmus_rotary_f32(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
             size_t bytes = sizeof(float) * (size_t)kv_size;
-            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, bytes);
-            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, bytes);
+            memcpy(L->k_cache + s->slots[t] * kv_size, row + q_size, bytes);
+            memcpy(L->v_cache + s->slots[t] * kv_size, row + q_size + kv_size, bytes);
         }
-        dolmus_decode_attention_f32(m->qkv, width, L->k_cache, L->v_cache, block_ids, nb, lengths, m->attn, rows,
-                                    hq, hkv, d, m->block_size, m->scale, L->window);
+        if (s->decodes)
+            dolmus_decode_attention_f32(m->qkv, width, L->k_cache, L->v_cache, s->block_ids, s->nb, s->lengths,
+                                        m->attn, s->decodes, hq, hkv, d, m->block_size, m->scale, L->window);
+        if (s->chunks && dolmus_prefill_attention_f32(m->qkv, width, L->k_cache, L->v_cache, s->chunk_blocks,
+                                                      s->chunk_nb, s->starts, s->lens, s->contexts, s->chunks,
+                                                      m->attn, q_size, hq, hkv, d, m->block_size, m->scale))
+            return -1;
+        if (i == m->num_layers - 1 && s->keep) {
+            keep_rows(m->attn, q_size, s->keep, s->kept);
+            keep_rows(m->residual, hidden, s->keep, s->kept);
+            rows = s->kept;
+            if (!rows) return 0;
+        }
         linear(&L->o, m->attn, m->delta, rows);
         add_rows(m->residual, m->delta, rows, hidden);
         dolmus_rms_norm_f32(m->residual, L->post_norm, m->normed, rows, hidden, m->eps);
@@ -111,4 +129,14 @@ void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *t
         add_rows(m->residual, m->delta, rows, hidden);
     }
     dolmus_rms_norm_f32(m->residual, m->final_norm, out, rows, hidden, m->eps);
+    return 0;
+}
+
+/* As dolmus_decode_step (decode_step.c), in float32. */
+void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
+                            const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
+                            float *out) {
+    dolmus_step s = {rows, tokens, positions, slots, rows, block_ids, nb, lengths, 0, NULL, 0, NULL, NULL, NULL,
+                     rows, NULL};
+    dolmus_model_step_f32(m, &s, out);
 }

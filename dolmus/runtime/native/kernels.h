@@ -1,5 +1,6 @@
 /* The kernels of the AVX-512 library that its sources call in each other (defined in
- * layer_kernels.c, quant_kernels.c, bf16_gemm.c and quant_amx.c). */
+ * layer_kernels.c, decode_attention.c, prefill_attention.c,
+ * quant_kernels.c, bf16_gemm.c and quant_amx.c). */
 #ifndef DOLMUS_KERNELS_H
 #define DOLMUS_KERNELS_H
 
@@ -13,6 +14,11 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
                              int64_t d, int64_t bs, float scale, int64_t window);
+/* 0, or -1 when memory ran out (prefill_attention.c) */
+int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *block_ids, int64_t nb, const int64_t *starts, const int64_t *lens,
+                             const int64_t *contexts, int64_t nseq, uint16_t *out, int64_t out_stride, int64_t hq,
+                             int64_t hkv, int64_t d, int64_t bs, float scale);
 void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols);
 void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y, int64_t M,
                       int64_t N, int64_t K);
