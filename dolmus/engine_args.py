@@ -186,8 +186,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--fused-decode",
         action=argparse.BooleanOptionalAction,
         default=d.fused_decode,
-        help="decode-only steps as one call into our C kernels where the whole model runs on them "
-        "(the same tokens; no per-layer Python and PyTorch glue)",
+        help="steps as one call into our C kernels where the whole model runs on them: decode steps, "
+        "and steps with prompt chunks where no layer has a sliding window (the same tokens; no "
+        "per-layer Python and PyTorch glue)",
     )
     g.add_argument(
         "--enforce-eager",

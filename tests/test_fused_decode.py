@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(
 PROMPTS = random_prompts((3, 40, 9, 17, 70, 5), seed=11)
 
 
-def _outputs(llm: LLM) -> list[tuple[list[int], list[dict]]]:
+def _outputs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[dict]]]:
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
@@ -65,6 +65,20 @@ def test_steps_with_prompt_chunks_run_fused_with_the_modules_bits(
         assert [_outputs(fused), _outputs(fused)] == [_outputs(modules), _outputs(modules)]
         assert fused.engine.runner.fused_prompt_steps >= (2 if budget is None else 8)
         assert modules.engine.runner.fused_prompt_steps == 0
+
+
+def test_prompt_chunks_that_sample_nothing_run_fused(model_root) -> None:
+    """One long prompt alone under a 16-token budget: its first steps are chunks short of the
+    prompt's end, whose last layer keeps no row at all; then the same with a decode beside."""
+    folder = build_model_dir("llama-wide", model_root)
+    kw = dict(model=str(folder), dtype="bfloat16", max_num_batched_tokens=16, enable_prefix_caching=False)
+    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+    if fused.engine.runner.fused_decoder is None:
+        pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
+    long, short = random_prompts((90, 4), seed=21)
+    for prompts in ([long], [short, long]):
+        assert _outputs(fused, prompts) == _outputs(modules, prompts)
+    assert fused.engine.runner.fused_prompt_steps >= 10
 
 
 def test_embeddings_of_prompts_run_fused_with_every_row(model_root) -> None:

@@ -193,8 +193,9 @@ class EngineConfig:
     # our C kernels: AMX tiles for bf16 linears, AVX-512 ones (int8/int4, norm, decode attention)
     # for bf16 CPU runs, AVX2 ones for GGUF's block types as stored
     native_kernels: bool = True
-    # decode-only steps as one C call (runtime/models/llama_decode.py) where every part of the
-    # model runs on those kernels: the same kernels and bits, without the per-layer glue
+    # steps as one C call (runtime/models/llama_decode.py) where every part of the model runs
+    # on those kernels: decode steps, and steps with prompt chunks where the prefill kernel
+    # takes every layer; the same kernels and bits, without the per-layer glue
     fused_decode: bool = True
     # CUDA: decode-only steps replay CUDA graphs captured at start-up (runtime/cuda_graphs.py);
     # True runs every step eagerly (vLLM's --enforce-eager)

@@ -100,8 +100,8 @@ static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_
     dolmus_silu_and_mul(m->gate_up, m->act, rows, m->inner);
 }
 
-/* Rows [0, kept) of the last layer's inputs become rows keep[0..kept): the attention output and
- * the residual stream, the two inputs of what follows attention. keep ascends, so no row is
+/* Rows keep[0..kept) of x become its rows [0, kept): for the attention output and the residual
+ * stream, the two inputs of what follows attention in the last layer. keep ascends, so no row is
  * overwritten before it is moved. */
 static void keep_rows(uint16_t *x, int64_t cols, const int64_t *keep, int64_t kept) {
     for (int64_t j = 0; j < kept; j++)
@@ -143,7 +143,7 @@ int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *o
                                                   s->starts, s->lens, s->contexts, s->chunks, m->attn, q_size, hq,
                                                   hkv, d, m->block_size, m->scale))
             return -1;
-        if (i == m->num_layers - 1 && s->keep) {
+        if (i == m->num_layers - 1 && s->kept != s->rows) {
             keep_rows(m->attn, q_size, s->keep, s->kept);
             keep_rows(m->residual, hidden, s->keep, s->kept);
             rows = s->kept;

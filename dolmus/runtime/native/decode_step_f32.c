@@ -114,7 +114,7 @@ int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out
                                                       s->chunk_nb, s->starts, s->lens, s->contexts, s->chunks,
                                                       m->attn, q_size, hq, hkv, d, m->block_size, m->scale))
             return -1;
-        if (i == m->num_layers - 1 && s->keep) {
+        if (i == m->num_layers - 1 && s->kept != s->rows) {
             keep_rows(m->attn, q_size, s->keep, s->kept);
             keep_rows(m->residual, hidden, s->keep, s->kept);
             rows = s->kept;

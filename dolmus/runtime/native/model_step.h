@@ -17,8 +17,8 @@ typedef struct {
     const int64_t *chunk_blocks;                /* [chunks][chunk_nb] */
     int64_t chunk_nb;
     const int64_t *starts, *lens, *contexts;    /* [chunks]: first row, tokens, positions cached before */
-    int64_t kept;                               /* rows that come out of the last layer */
-    const int64_t *keep;                        /* [kept] ascending, or NULL: every row (kept == rows) */
+    int64_t kept;                               /* rows that come out of the last layer (0 to rows) */
+    const int64_t *keep;                        /* [kept] ascending; read only where kept < rows */
 } dolmus_step;
 
 #endif
