@@ -83,17 +83,19 @@ def test_prompt_chunks_that_sample_nothing_run_fused(model_root) -> None:
 
 def test_embeddings_of_prompts_run_fused_with_every_row(model_root) -> None:
     """An embedding request pools every row's final hidden state: the fused step with prompt
-    chunks then keeps all rows, and the vectors are the modules'."""
+    chunks then keeps all rows, and the vectors are the modules', whole prompts in one step
+    and, under a 16-token budget, prompts pooled over several steps."""
     folder = build_model_dir("llama-wide", model_root)
-    kw = dict(model=str(folder), dtype="bfloat16")
-    fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
-    if fused.engine.runner.fused_decoder is None:
-        pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
-    for pooling in ("last", "mean"):
-        vectors = fused.embed(PROMPTS, PoolingParams(pooling))
-        assert vectors == modules.embed(PROMPTS, PoolingParams(pooling))
-        assert len(vectors) == len(PROMPTS) and all(len(v) == 128 for v in vectors)
-    assert fused.engine.runner.fused_prompt_steps >= 2
+    for budget in (None, 16):
+        kw = dict(model=str(folder), dtype="bfloat16", max_num_batched_tokens=budget)
+        fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
+        if fused.engine.runner.fused_decoder is None:
+            pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
+        for pooling in ("last", "mean"):
+            vectors = fused.embed(PROMPTS, PoolingParams(pooling))
+            assert vectors == modules.embed(PROMPTS, PoolingParams(pooling))
+            assert len(vectors) == len(PROMPTS) and all(len(v) == 128 for v in vectors)
+        assert fused.engine.runner.fused_prompt_steps >= (2 if budget is None else 18)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
