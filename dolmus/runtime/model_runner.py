@@ -141,8 +141,9 @@ class ModelRunner:
         self.weight_bytes = module_bytes(self.model)
         self.expert_load = ExpertLoad.of(self.model, model_config.num_layers)  # None: no MoE layers
         self.step_tokens = suited_step_tokens(self.model, device)
-        # Decode-only steps (drafts included: one row per position) in one C call, where the
-        # whole model runs on our kernels.
+        # Decode steps (drafts included: one row per position), and steps with prompt chunks
+        # where the prefill kernel takes every layer, in one C call, where the whole model runs
+        # on our kernels.
         self.fused_decoder = None
         self.fused_steps = 0  # decode steps it ran (tests and benchmarks check it is used)
         self.fused_prompt_steps = 0  # and steps with prompt chunks
