@@ -5,7 +5,7 @@
  * The module path makes the same kernel calls (layer_kernels.c, decode_attention.c,
  * prefill_attention.c, quant_kernels.c, bf16_gemm.c) with a few dozen PyTorch ops and Python
  * calls around them per layer: at one sequence of a small model that glue costs as much as the
- * weight reads, and on a 128-token prompt ~3%. Here the same kernels run back to back on scratch
+ * weight reads, and on a 128-token prompt ~2%. Here the same kernels run back to back on scratch
  * buffers the caller holds, and the elementwise steps between them round to bf16 exactly where
  * PyTorch's bf16 ops do, so the hidden states are bit for bit the module path's
  * (runtime/models/llama_decode.py builds the descriptors, and the tests compare the two).
