@@ -68,6 +68,20 @@ def sampling_row(seq: RunnerSequence, grammar_row: int | None, upto: int | None 
     )
 
 
+@dataclass
+class _Rows:
+    """A step's entries laid out as flat rows (BatchInputs._lay_out)."""
+
+    tokens: list[int]  # an in-flight token as -1 - i (resolve_inflight)
+    inflight: bool  # some token is still on the device
+    query_lens: np.ndarray  # per entry: its tokens
+    context_lens: np.ndarray  # per entry: its positions cached before them
+    starts: np.ndarray  # per entry: its first row
+    positions: np.ndarray  # per row
+    table: torch.Tensor  # per entry: its block row (a contiguous copy)
+    slots: np.ndarray  # per row: where its key and value go
+
+
 class BatchInputs:
     """Lays a step's entries out over the persistent block table."""
 
@@ -89,15 +103,10 @@ class BatchInputs:
         self.dtype = dtype
         self.inflight = inflight
 
-    def prepare(
-        self,
-        ordered: list[tuple[RunnerSequence, int, int]],
-        num_decodes: int,
-        table: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids and positions, and the backend's metadata, for the ordered entries
-        (a sequence, the context before the entry's tokens, how many tokens); `table`: block
-        rows of the entries' own (default: their rows of the persistent table)."""
+    def _lay_out(self, ordered: list[tuple[RunnerSequence, int, int]], table: torch.Tensor | None) -> _Rows:
+        """The flat rows of the ordered entries (a sequence, the context before the entry's
+        tokens, how many tokens) over their block rows (`table`, or theirs of the persistent
+        table)."""
         bs = self.block_size
         tokens: list[int] = []
         inflight = False
@@ -109,34 +118,46 @@ class BatchInputs:
                 tokens.extend(seq.token_ids[ctx : ctx + n])
         query_lens = np.array([n for _, _, n in ordered], dtype=np.int64)
         context_lens = np.array([ctx for _, ctx, _ in ordered], dtype=np.int64)
+        starts = np.cumsum(query_lens) - query_lens
         if len(tokens) == len(ordered):  # one token per sequence: at its context length
             seq_of_token = np.arange(len(ordered))
             positions = context_lens.copy()
         else:  # each token at its sequence's context length plus its offset in the chunk
             seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
-            starts = np.cumsum(query_lens) - query_lens
             positions = context_lens[seq_of_token] + np.arange(len(tokens)) - starts[seq_of_token]
         width = int((context_lens + query_lens).max()) // bs + 1
         if table is None:
             rows = np.array([seq.row for seq, _, _ in ordered], dtype=np.int64)
             table = torch.from_numpy(self.table.rows[rows, : min(width, self.max_blocks_per_seq)])
         slots = table.numpy()[seq_of_token, positions // bs] * bs + positions % bs
+        return _Rows(tokens, inflight, query_lens, context_lens, starts, positions, table, slots)
+
+    def prepare(
+        self,
+        ordered: list[tuple[RunnerSequence, int, int]],
+        num_decodes: int,
+        table: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids and positions, and the backend's metadata, for the ordered entries
+        (a sequence, the context before the entry's tokens, how many tokens); `table`: block
+        rows of the entries' own (default: their rows of the persistent table)."""
+        r = self._lay_out(ordered, table)
         layout = BatchLayout(
             num_decodes,
-            torch.from_numpy(query_lens),
-            torch.from_numpy(context_lens),
-            table,
-            torch.from_numpy(slots),
-            bs,
+            torch.from_numpy(r.query_lens),
+            torch.from_numpy(r.context_lens),
+            r.table,
+            torch.from_numpy(r.slots),
+            self.block_size,
         )
         meta = self.attention.build_metadata(layout, self.device, self.dtype)
         # non_blocking: from pageable memory the copy is staged at once, and the host does not
         # wait for the device's queue (a blocking copy would: no overlap under async scheduling)
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
-        if inflight:
+        input_ids = torch.tensor(r.tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        if r.inflight:
             assert self.inflight is not None
             input_ids = resolve_inflight(input_ids, self.inflight.device_buffer)
-        return input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True), meta
+        return input_ids, torch.from_numpy(r.positions).to(self.device, non_blocking=True), meta
 
     def fused_decode(self, decoder: FusedDecoder, rows: list[tuple[RunnerSequence, int]]) -> torch.Tensor:
         """The final hidden states of one token per row (a sequence and the context before
@@ -170,40 +191,17 @@ class BatchInputs:
         sequence and the context before its token), then chunks (a sequence, the context before
         the chunk, its tokens), laid out as `prepare` lays them; `keep`: the only rows wanted,
         in this order (None: all). None where the fused step could not run it."""
-        bs, nd = self.block_size, len(decodes)
-        tokens = [seq.token_at(ctx) for seq, ctx in decodes]
-        for seq, ctx, n in chunks:
-            tokens.extend(seq.token_ids[ctx : ctx + n])
-        rows = len(tokens)
-        # per entry (decodes, then chunks): its block-table row, context and token count
-        entries = np.array(
-            [(seq.row, ctx, 1) for seq, ctx in decodes] + [(seq.row, ctx, n) for seq, ctx, n in chunks],
-            dtype=np.int64,
-        ).T
-        contexts, counts = entries[1], entries[2]
-        starts = np.cumsum(counts) - counts
-        of_row = np.repeat(np.arange(len(counts)), counts)
-        cols = np.empty((3, rows), dtype=np.int64)  # tokens, positions, slots
-        cols[0] = tokens
-        positions = cols[1]
-        positions[:] = contexts[of_row] + np.arange(rows) - starts[of_row]
-        width = min(int((contexts + counts).max()) // bs + 1, self.max_blocks_per_seq)
-        table = self.table.rows[entries[0], :width]  # a contiguous copy
-        np.add(table[of_row, positions // bs] * bs, positions % bs, out=cols[2])
-        chunk_cols = np.ascontiguousarray(np.stack((starts[nd:], counts[nd:], contexts[nd:])))
-        cols_t = torch.from_numpy(cols)
-        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
-            cols_t[0] = resolve_inflight(cols_t[0], self.inflight.device_buffer)
+        nd = len(decodes)
+        r = self._lay_out([(seq, ctx, 1) for seq, ctx in decodes] + chunks, None)
+        cols = torch.from_numpy(np.stack((np.array(r.tokens, dtype=np.int64), r.positions, r.slots)))
+        if r.inflight:  # on the CPU: the last step's tokens
+            assert self.inflight is not None
+            cols[0] = resolve_inflight(cols[0], self.inflight.device_buffer)
+        chunk_cols = torch.from_numpy(np.stack((r.starts[nd:], r.query_lens[nd:], r.context_lens[nd:])))
+        lengths = torch.from_numpy(r.context_lens[:nd] + 1)
         # the kernel keeps rows in ascending order (a row's bits do not depend on its batch)
         ascending = None if keep is None else torch.tensor(sorted(keep), dtype=torch.int64)
-        hidden = decoder.run_step(
-            cols_t,
-            torch.from_numpy(table),
-            nd,
-            torch.from_numpy(contexts[:nd] + 1),
-            torch.from_numpy(chunk_cols),
-            ascending,
-        )
+        hidden = decoder.run_step(cols, r.table, nd, lengths, chunk_cols, ascending)
         if hidden is None or ascending is None or ascending.tolist() == keep:
             return hidden
         return hidden.index_select(0, torch.searchsorted(ascending, torch.tensor(keep, dtype=torch.int64)))

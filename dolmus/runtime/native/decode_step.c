@@ -100,14 +100,6 @@ static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_
     dolmus_silu_and_mul(m->gate_up, m->act, rows, m->inner);
 }
 
-/* Rows keep[0..kept) of x become its rows [0, kept): for the attention output and the residual
- * stream, the two inputs of what follows attention in the last layer. keep ascends, so no row is
- * overwritten before it is moved. */
-static void keep_rows(uint16_t *x, int64_t cols, const int64_t *keep, int64_t kept) {
-    for (int64_t j = 0; j < kept; j++)
-        if (keep[j] != j) memmove(x + j * cols, x + keep[j] * cols, sizeof(uint16_t) * (size_t)cols);
-}
-
 /* One step of the rows in `s`: every row's key and value go to the cache; decodes attend with
  * the decode kernel, prompt chunks with the prefill kernel (prefill_attention.c); the last layer
  * goes on with the kept rows alone (a prompt chunk samples from its last row at most). out
@@ -144,8 +136,8 @@ int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *o
                                                   hkv, d, m->block_size, m->scale))
             return -1;
         if (i == m->num_layers - 1 && s->kept != s->rows) {
-            keep_rows(m->attn, q_size, s->keep, s->kept);
-            keep_rows(m->residual, hidden, s->keep, s->kept);
+            keep_rows(m->attn, sizeof(uint16_t) * (size_t)q_size, s->keep, s->kept);
+            keep_rows(m->residual, sizeof(uint16_t) * (size_t)hidden, s->keep, s->kept);
             rows = s->kept;
             if (!rows) return 0;
         }

@@ -78,12 +78,6 @@ static void add_rows(float *y, const float *b, int64_t rows, int64_t n) {
     for (int64_t i = 0; i < rows * n; i++) y[i] += b[i];
 }
 
-/* As keep_rows in decode_step.c. */
-static void keep_rows(float *x, int64_t cols, const int64_t *keep, int64_t kept) {
-    for (int64_t j = 0; j < kept; j++)
-        if (keep[j] != j) memmove(x + j * cols, x + keep[j] * cols, sizeof(float) * (size_t)cols);
-}
-
 /* As dolmus_model_step (decode_step.c), in float32. */
 int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out) {
     const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
@@ -115,8 +109,8 @@ int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out
                                                       m->attn, q_size, hq, hkv, d, m->block_size, m->scale))
             return -1;
         if (i == m->num_layers - 1 && s->kept != s->rows) {
-            keep_rows(m->attn, q_size, s->keep, s->kept);
-            keep_rows(m->residual, hidden, s->keep, s->kept);
+            keep_rows(m->attn, sizeof(float) * (size_t)q_size, s->keep, s->kept);
+            keep_rows(m->residual, sizeof(float) * (size_t)hidden, s->keep, s->kept);
             rows = s->kept;
             if (!rows) return 0;
         }

@@ -5,6 +5,7 @@
 #define DOLMUS_MODEL_STEP_H
 
 #include <stdint.h>
+#include <string.h>
 
 typedef struct {
     int64_t rows;                               /* tokens in the step */
@@ -20,5 +21,14 @@ typedef struct {
     int64_t kept;                               /* rows that come out of the last layer (0 to rows) */
     const int64_t *keep;                        /* [kept] ascending; read only where kept < rows */
 } dolmus_step;
+
+/* Rows keep[0..kept) of x (rows of row_bytes) become its rows [0, kept): for the attention
+ * output and the residual stream, the two inputs of what follows attention in the last layer.
+ * keep ascends, so no row is overwritten before it is moved. */
+static inline void keep_rows(void *x, size_t row_bytes, const int64_t *keep, int64_t kept) {
+    char *rows = x;
+    for (int64_t j = 0; j < kept; j++)
+        if (keep[j] != j) memmove(rows + (size_t)j * row_bytes, rows + (size_t)keep[j] * row_bytes, row_bytes);
+}
 
 #endif
