@@ -178,3 +178,23 @@ def test_the_product_has_the_same_bits_on_any_number_of_threads(threads: int) ->
             assert torch.equal(bf16_gemm.matmul(x, packed, n, None), one), (m, n, k)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(96, 100), (1152, 896), (192, 4864)])
+def test_a_row_has_the_same_bits_alone_in_a_pair_or_in_a_batch(n: int, k: int, gated: bool) -> None:
+    """Without AMX, one and two rows read the weights in the order they lie (seq_steps), more rows
+    in blocks over chunks of K (dp_steps); both add each output's products in the same order, so
+    a row's result does not depend on how many rows share its step (a decode step's sequences
+    come and go). K = 100 is padded to whole steps; 4864 is several chunks."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    packed = bf16_gemm.pack(w, gated=gated)
+    bias = bf16_gemm.gated_bias(b) if gated else b
+    batch = bf16_gemm.matmul(x, packed, n, bias, gated=gated)
+    for rows in (1, 2, 3, 8):
+        for start in range(0, 40, 13):
+            part = bf16_gemm.matmul(x[start : start + rows], packed, n, bias, gated=gated)
+            assert torch.equal(part, batch[start : start + rows]), (rows, start)
