@@ -23,8 +23,9 @@
  * plain sum streams where the host gave ~63 GB/s, against 71-75% 16 KB ahead (91-97% against
  * 88-94% at ~36 GB/s; interleaved rounds, scratch harness); 4-6 and 12 KB far, 2 and 6 KB near,
  * and the far request on every other line all read less. On a Zen 5, 8 and 16 KB had measured
- * the same. The AMX hosts keep the distance tuned there. (Those bf16 products now ask for their
- * stream their own way, bf16_gemm_avx512.c's FIRST_BLOCK_AHEAD; the int8 and int4 kernels here
+ * the same. The AMX hosts keep the distance tuned there. (Those bf16 products now read one or
+ * two rows' weights in the order they lie and ask for nothing, bf16_gemm_avx512.c's seq_steps,
+ * and ask for more rows' their own way, its FIRST_BLOCK_AHEAD; the int8 and int4 kernels here
  * keep these distances.) */
 #define PREFETCH_FAR 8192
 #endif
