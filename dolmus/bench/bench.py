@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import shlex
 import sys
@@ -153,6 +154,13 @@ async def _bench(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]
                 await client.send(-1, BenchRequest(f"Warm-up request {i}.", 8), 0.0)
             for i, load in enumerate(loads):
                 requests = load_requests(args, model, run_index=i)
+                # Out of the collector's sight, as the servers do with theirs: this process holds
+                # 190k-380k objects (PyTorch, the tokenizer's libraries), and a full collection of
+                # them took 70-200 ms here (one ran as a run's results were gathered). Inside a
+                # run it would hold up reading the streams in flight, a TTFT or ITL outlier
+                # charged to the server under test.
+                gc.collect()
+                gc.freeze()
                 before = await scrape_all(http, metric_roots)
                 results, duration = await _run_with_progress(client, requests, load, args)
                 after = await scrape_all(http, metric_roots)
