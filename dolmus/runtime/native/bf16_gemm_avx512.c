@@ -202,11 +202,12 @@ static void panel_product_avx512(const uint16_t *pp, int64_t steps, const uint16
                                  const float *bias, uint16_t *y, int64_t ldy, int64_t n0, int64_t N, int gated,
                                  float *acc) {
     int64_t blocks = (M + ROWS - 1) / ROWS;
-    if (M <= SEQ_ROWS && M == 1)
-        seq_steps(pp, steps, x, ldx, 1, acc);
-    else if (M <= SEQ_ROWS && M == 2)
-        seq_steps(pp, steps, x, ldx, 2, acc);
-    else
+    if (M <= SEQ_ROWS) { /* R a constant at each call, as dp_steps_any's */
+        if (M == 1)
+            seq_steps(pp, steps, x, ldx, 1, acc);
+        else
+            seq_steps(pp, steps, x, ldx, 2, acc);
+    } else
         for (int64_t k0 = 0; k0 < steps; k0 += CHUNK_STEPS) {
             int64_t k1 = k0 + CHUNK_STEPS < steps ? k0 + CHUNK_STEPS : steps;
             for (int64_t m0 = 0, b = 0; m0 < M; m0 += ROWS, b++)
