@@ -22,7 +22,7 @@ def test_levels_from_flags() -> None:
     if HERE.detected == "none":
         pytest.skip("not an x86-64 Linux host")
     avx2 = {"avx2", "fma", "f16c", "sse4_2"}
-    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     assert detect_level({"sse4_2"}) == "none"
     assert detect_level(avx2) == "avx2"
     assert detect_level(avx2 | {"avx512f", "avx512bw", "avx512vl"}) == "avx2"  # no BF16: not ours

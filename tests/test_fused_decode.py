@@ -9,6 +9,7 @@ from conftest import build_model_dir
 
 from dolmus import LLM, SamplingParams
 from dolmus.pooling_params import PoolingParams
+from dolmus.quant import native as native_quant
 from dolmus.runtime import native as native_build
 from helpers import random_prompts
 
@@ -54,8 +55,8 @@ def test_steps_with_prompt_chunks_run_fused_with_the_modules_bits(
     prompts, then under a 24-token budget chunks of the longer prompts beside the shorter ones'
     decodes, then the same prompts again as prefix-cache hits (chunks after cached blocks, and
     a prompt whose one uncached token is a decode row, sampled before rows that precede it).
-    int8 weights take steps of up to 128 rows there (the whole prompts' first step, 144 rows,
-    runs the modules)."""
+    On AMX, int8 weights take steps of up to 128 rows there (the whole prompts' first step, 144
+    rows, runs the modules); elsewhere their kernel takes any number of rows."""
     folder = build_model_dir(arch, model_root)
     for budget in (None, 24):
         kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization)
@@ -63,8 +64,9 @@ def test_steps_with_prompt_chunks_run_fused_with_the_modules_bits(
         fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
         if fused.engine.runner.fused_decoder is None:
             pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
-        prompt_rows = fused.engine.runner.fused_decoder.prompt_rows  # int8's kernel: up to 128 rows
-        assert prompt_rows == 128 if quantization == "int8" else prompt_rows > 100_000
+        prompt_rows = fused.engine.runner.fused_decoder.prompt_rows
+        limit = native_quant.int8_max_kernel_rows() if quantization == "int8" else None
+        assert prompt_rows == limit if limit is not None else prompt_rows > 100_000
         assert [_outputs(fused), _outputs(fused)] == [_outputs(modules), _outputs(modules)]
         assert fused.engine.runner.fused_prompt_steps >= (1 if budget is None else 8)
         assert modules.engine.runner.fused_prompt_steps == 0
@@ -129,12 +131,13 @@ def test_the_modules_run_where_the_fused_step_cannot(model_root, setting: dict) 
 
 
 def test_batches_past_the_kernels_row_limit_take_the_modules(model_root) -> None:
-    """int8 weights above 128 rows are dequantized for PyTorch's GEMM: decode steps of more
-    sequences run the modules, with the same tokens as the modules throughout."""
+    """On AMX, int8 weights above 128 rows are dequantized for PyTorch's GEMM: decode steps of
+    more sequences run the modules; elsewhere the fused step takes all 160. The same tokens as
+    the modules throughout."""
     folder = build_model_dir("llama-wide", model_root)
     kw = dict(model=str(folder), dtype="bfloat16", quantization="int8", max_num_seqs=160)
     fused = LLM(**kw)
-    assert fused.engine.runner.fused_decoder.max_rows == 128
+    assert fused.engine.runner.fused_decoder.max_rows == (native_quant.int8_max_kernel_rows() or 160)
     prompts = random_prompts([4 + i % 7 for i in range(140)], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]

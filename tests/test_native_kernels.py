@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels need an x86-64 CPU with AVX-512 BF16 and a C compiler",
 )
 
-# Rows: the dot-product kernels (incl. a partial pass of 4; int8 5-8 by half blocks), on AMX the
-# int4 few-rows path (5-16: one A tile) and the dequantized panels (17+), and for int8 the
-# dequantizing path.
-ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 40, native.INT8_MAX_KERNEL_ROWS, native.INT8_MAX_KERNEL_ROWS + 1)
+# Rows: the dot-product kernels (incl. a partial pass of 4; int8 in one pass up to 4, then passes
+# of 3 and 2, and stretches of rows), on AMX the int4 few-rows path (5-16: one A tile) and the
+# dequantized panels (17+), and on AMX for int8 the dequantizing path.
+AMX_INT8_ROWS = native.INT8_AMX_MAX_KERNEL_ROWS
+ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 40, AMX_INT8_ROWS, AMX_INT8_ROWS + 1, 700)
 # Shapes: outputs not a multiple of the 64-row block, short and long inputs.
 SHAPES = ((100, 64), (64, 128), (200, 896), (72, 1152))
 
@@ -53,11 +54,24 @@ def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
     _close(native.int8_matmul(x, packed, scale32, n), expected)
 
 
-@pytest.mark.parametrize("m", (6, 8))
+@pytest.mark.parametrize("n,k", ((100, 64), (72, 1152), (40, 131)))
+@pytest.mark.parametrize("m", (1, 5, 130))
+def test_int8_dequantizing_path_equals_float_arithmetic(n: int, k: int, m: int) -> None:
+    # where the CPU has AMX, long prompt chunks take this path (PyTorch's GEMM on its tiles)
+    gen = torch.Generator().manual_seed(n + k + m)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, generator=gen) / 100).bfloat16()
+    packed, scale32 = native.pack_int8(codes, scale)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    expected = x.float() @ (codes.float() * scale.float()[:, None]).T
+    _close(native.int8_dequantized_matmul(x, packed, scale32, n), expected)
+
+
+@pytest.mark.parametrize("m", (2, 3, 4, 5, 8))
 def test_int8_rows_have_the_bits_they_have_alone(m: int) -> None:
-    # 5-8 rows go through each half block with every row at once, fewer in passes of 4: a row's
-    # result must not depend on how many rows came with it. Many long outputs, so that a sum taken
-    # in another order shows in the bf16 bits of some of them.
+    # Up to 4 rows go through a block at once, more in passes of 3 (and 2): a row's result must not depend
+    # on how many rows came with it. Many long outputs, so that a sum taken in another order
+    # shows in the bf16 bits of some of them.
     n, k = 2048, 4864
     gen = torch.Generator().manual_seed(m)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -66,6 +80,58 @@ def test_int8_rows_have_the_bits_they_have_alone(m: int) -> None:
     together = native.int8_matmul(x, packed, scale32, n)
     alone = torch.cat([native.int8_matmul(x[i : i + 1], packed, scale32, n) for i in range(m)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("n,k", ((40, 70), (24, 131), (64, 4)))
+def test_int8_packing_keeps_every_code(n: int, k: int) -> None:
+    # inputs padded to quads of 4 (and outputs to blocks of 64) with codes that add nothing
+    gen = torch.Generator().manual_seed(k)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    packed, scale32 = native.pack_int8(codes, torch.ones(n))
+    assert torch.equal(native.unpack_int8(packed, n, k), codes)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    _close(native.int8_matmul(x, packed, scale32, n), x.float() @ codes.float().T)
+
+
+def test_int8_activations_of_any_range_keep_their_precision() -> None:
+    # The kernel multiplies integers: each row of x becomes x / s, s a power of two, rounded to
+    # an integer below 2^14 in magnitude. An input far below the row's largest loses at most
+    # s / 2: the error bound below. Rows of very different scales, a zero row, a row of tiny
+    # values, and one large value among small ones.
+    n, k = 96, 896
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    packed, scale32 = native.pack_int8(codes, scale)
+    w = codes.float() * scale32[:n, None]
+    spread = 10.0 ** (torch.rand(k, generator=gen) * 6 - 3)
+    x = torch.stack(
+        [
+            torch.randn(k, generator=gen) * spread,
+            torch.randn(k, generator=gen) * 1e30,
+            torch.randn(k, generator=gen) * 1e-36,
+            torch.zeros(k),
+            torch.cat([torch.tensor([3e4]), torch.randn(k - 1, generator=gen) * 1e-3]),
+        ]
+    ).bfloat16()
+    got = native.int8_matmul(x, packed, scale32, n).float()
+    expected = x.float() @ w.T
+    bound = expected.abs() * 2**-8 + x.float().abs().amax(1, keepdim=True) * 2**-13 * w.abs().sum(1)
+    assert ((got - expected).abs() <= bound).all()
+    assert torch.equal(got[3], torch.zeros(n))
+
+
+def test_int8_rows_with_inf_or_nan_give_nan_alone() -> None:
+    n, k = 64, 128
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    packed, scale32 = native.pack_int8(codes, torch.ones(n) / 64)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    x[0, 5], x[2, 7] = float("inf"), float("nan")
+    got = native.int8_matmul(x, packed, scale32, n)
+    assert got[0].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[1:2], native.int8_matmul(x[1:2], packed, scale32, n))
+    assert not got[1].isnan().any()
 
 
 @pytest.mark.parametrize("symmetric", (False, True))

@@ -105,7 +105,8 @@ def test_kernels_are_chosen_by_device_kind(monkeypatch) -> None:
     assert device_kind(cpu, torch.float32, False) == "cpu"
     assert int4_kernel(cpu, torch.bfloat16, True).name == "native"
     assert int8_kernel(cpu, torch.bfloat16, True, 48, 64).name == "native"
-    assert int8_kernel(cpu, torch.bfloat16, True, 48, 63).name == "torch"  # ours reads inputs in pairs
+    assert int8_kernel(cpu, torch.bfloat16, True, 48, 63).name == "native"  # inputs padded to quads
+    assert int8_kernel(cpu, torch.bfloat16, True, 48, 65536).name == "torch"  # past exact int32 sums
     monkeypatch.setattr(kernels.runtime_native, "library", lambda: None)
     assert device_kind(cpu, torch.bfloat16, True) == "cpu_blocks"  # bf16 on AVX2 alone
     monkeypatch.setattr(kernels.runtime_native, "avx2_library", lambda: None)

@@ -88,7 +88,7 @@ class NativeInt8(Int8Kernel):
     name = "native"
 
     def accepts(self, n: int, k: int) -> bool:
-        return k % 2 == 0  # our kernel reads inputs in pairs
+        return k <= native.INT8_MAX_INPUTS
 
     def pack(self, codes: torch.Tensor, scale: torch.Tensor) -> Int8State:
         packed, scale = native.pack_int8(codes, scale)
@@ -106,13 +106,12 @@ class NativeInt8(Int8Kernel):
             k,
             scale=state.scales,
             bias=bias,
-            max_rows=native.INT8_MAX_KERNEL_ROWS,
+            max_rows=native.int8_max_kernel_rows(),
         )
 
     def dequantize(self, state: Int8State) -> torch.Tensor:
         n, k = state.shape
-        codes = state.codes.transpose(1, 2).reshape(-1, k)[:n]
-        return codes.float() * state.scales[:n, None]
+        return native.unpack_int8(state.codes, n, k).float() * state.scales[:n, None]
 
 
 class _OnBlocks:

@@ -1,12 +1,13 @@
-"""Wrappers of our int8/int4 weight-only kernels (runtime/native/quant_kernels.c).
+"""Wrappers of our int8/int4 weight-only kernels (runtime/native/int8_kernels.c, quant_kernels.c).
 
-They take bf16 activations (the CPU run dtype) and return bf16. The kernels multiply with
-AVX-512 BF16 dot products. int4 stays within ~1.2x of PyTorch's bf16 GEMM even at 128 rows,
-so every batch uses it; int8 (~1.5x there) hands more than INT8_MAX_KERNEL_ROWS rows
-(prefill chunks) to PyTorch's GEMM on weights dequantized a chunk at a time. On CPUs with
-AMX, int4 and grouped int8 products of 4 rows or more run on AMX tiles instead (quant_amx.c:
-each panel dequantized to bf16 once per call; 5x faster at 32 rows on SmolLM2's layers), at
-any number of rows.
+They take bf16 activations (the CPU run dtype) and return bf16. The int4 and grouped int8
+kernels multiply with AVX-512 BF16 dot products, the int8 one (a scale per output row) with
+VNNI's integer dot products on the activations as 15-bit integers. int4 stays within ~1.2x of
+PyTorch's bf16 GEMM even at 128 rows, so every batch uses it; int8 takes any number of rows,
+but on CPUs with AMX hands more than INT8_AMX_MAX_KERNEL_ROWS (prefill chunks) to PyTorch's
+GEMM on weights dequantized a chunk at a time. On CPUs with AMX, int4 and grouped int8
+products of 4 rows or more run on AMX tiles instead (quant_amx.c: each panel dequantized to
+bf16 once per call; 5x faster at 32 rows on SmolLM2's layers), at any number of rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dolmus.runtime import huge_pages
 from dolmus.runtime.native import amx_ready, library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
-INT8_MAX_KERNEL_ROWS = 128  # above this many rows, int8 dequantizes to bf16 for PyTorch's GEMM
+INT8_AMX_MAX_KERNEL_ROWS = 128  # on AMX, above this many rows int8 dequantizes for PyTorch's GEMM
 INT8G_MAX_KERNEL_ROWS = 128  # the same for grouped int8 (measured: dequantize + GEMM wins above)
 DEQUANT_CHUNK_ROWS = 4096  # rows dequantized at a time on that path (bounded scratch memory)
 
@@ -30,32 +31,61 @@ def _padded_rows(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-# ---- int8: codes [N, K] int8, one float scale per output row ----
+# ---- int8: codes [N, K] int8, one float scale per output row (int8_kernels.c) ----
+
+QUAD = 4  # inputs per 4-byte lane of vpdpbusd
+INT8_MAX_INPUTS = 65535  # the kernel's int32 sums are exact below 2^16 inputs
 
 
 def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] int8 codes and [N] scales -> blocks [Npad/64, K, 64] and float32 scales [Npad]."""
-    if codes.shape[1] % 2:
-        raise ValueError("the int8 kernel reads inputs in pairs: K must be even")
+    """[N, K] int8 codes and [N] scales -> int8_kernels.c's blocks [Npad/64, Kq/4, 64, 4] of
+    uint8 (code + 128; Kq = K rounded up to 4, padded with zero codes) and float32 scales [Npad]."""
     n, k = codes.shape
+    if k > INT8_MAX_INPUTS:
+        raise ValueError(f"the int8 kernel takes at most {INT8_MAX_INPUTS} inputs, not {k}")
     pad = _padded_rows(n) - n
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
-    packed = huge_pages.copy(codes.reshape(-1, BLOCK, k).transpose(1, 2))
+    codes = torch.nn.functional.pad(codes, (0, -k % QUAD, 0, pad))
+    biased = (codes.view(torch.uint8) ^ 0x80).reshape(-1, BLOCK, codes.shape[1] // QUAD, QUAD)
+    packed = huge_pages.copy(biased.transpose(1, 2))
     return packed, torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [N, K] int8 codes back out of pack_int8's blocks."""
+    biased = packed.transpose(1, 2).reshape(-1, packed.shape[1] * QUAD)[:n, :k]
+    return (biased ^ 0x80).view(torch.int8)
+
+
+def int8_max_kernel_rows() -> int | None:
+    """Rows up to which int8 products run on int8_kernels.c (None: any number). Where the CPU has
+    AMX, more rows (prompt chunks) go to PyTorch's bf16 GEMM on its tiles, on weights
+    dequantized a chunk at a time; elsewhere the kernel is the faster at every row count (Zen 4,
+    2 cores: 390-405 GFLOP/s at 64-128 rows, where the dequantizing path read 256-319)."""
+    return INT8_AMX_MAX_KERNEL_ROWS if amx_ready() else None
 
 
 def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] bf16 times the packed int8 weight -> [M, N] bf16."""
-    lib = library()
     x = x.contiguous()
     m, k = x.shape
-    if m > INT8_MAX_KERNEL_ROWS:
-        return _chunked_linear(
-            x, n, lambda out, n0, n1: lib.dolmus_int8_dequant(_ptr(packed), _ptr(scale), _ptr(out), n0, n1, k)
-        )
+    limit = int8_max_kernel_rows()
+    if limit is not None and m > limit:
+        return int8_dequantized_matmul(x, packed, scale, n)
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.dolmus_int8_gemm(_ptr(x), _ptr(packed), _ptr(scale), _ptr(y), m, n, k)
+    library().dolmus_int8_gemm(_ptr(x), _ptr(packed), _ptr(scale), _ptr(y), m, n, k)
     return y
+
+
+def int8_dequantized_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int
+) -> torch.Tensor:
+    """The same product as PyTorch's bf16 GEMM on the weight dequantized a chunk at a time."""
+    lib, k = library(), x.shape[1]
+    return _chunked_linear(
+        x.contiguous(),
+        n,
+        lambda out, n0, n1: lib.dolmus_int8_dequant(_ptr(packed), _ptr(scale), _ptr(out), n0, n1, k),
+    )
 
 
 # ---- int4: codes [N, K] in 0..15, bf16 scale and zero per (group, output row) ----
@@ -113,11 +143,13 @@ def int4_matmul(
 def pack_int8_groups(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """[N, K] int8 codes, [N, K/g] scales and zeros (or None) -> blocks [Npad/64, K, 64] (as
-    pack_int8's) and bf16 [K/g, Npad] scales and zeros (w = q * scale + zero)."""
-    n, _ = codes.shape
+    """[N, K] int8 codes, [N, K/g] scales and zeros (or None) -> blocks [Npad/64, K, 64] (each
+    input's 64 codes of a block in a line, quant_kernels.c's layout) and bf16 [K/g, Npad] scales
+    and zeros (w = q * scale + zero)."""
+    n, k = codes.shape
     pad = _padded_rows(n) - n
-    packed, _ = pack_int8(codes, torch.zeros(n))
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    packed = huge_pages.copy(codes.reshape(-1, BLOCK, k).transpose(1, 2))
     return packed, _by_group(scale, pad), _by_group(zero, pad) if zero is not None else None
 
 

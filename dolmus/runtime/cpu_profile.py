@@ -29,7 +29,7 @@ ISA_LEVELS = ("none", "avx2", "avx512", "amx")
 # what each level needs, beyond the levels below it
 _NEEDS = {
     "avx2": {"avx2", "fma", "f16c"},
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"},  # every BF16 CPU has VNNI
     "amx": {"amx_tile", "amx_bf16"},
 }
 

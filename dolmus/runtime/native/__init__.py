@@ -1,7 +1,8 @@
 """Our C kernels for x86 CPUs: built on first use, called through ctypes. Two libraries:
 
 `library()`, for CPUs with AVX-512 (BF16) and bf16 models:
-- quant_kernels.c: int8/int4 weight-only matrix products (dolmus/quant/native.py wraps them);
+- int8_kernels.c: int8 weight-only products (one scale per output row) on VNNI's integer dot
+  products, quant_kernels.c: int4 and grouped int8 ones (dolmus/quant/native.py wraps them);
 - layer_kernels.c: RMSNorm (alone or after the residual add), rotary embedding and
   SiLU-and-multiply (layers/norm.py, models/llama.py);
 - decode_attention.c: decode attention over the paged KV cache (attention/native_cpu.py);
@@ -74,6 +75,7 @@ class _Spec:
 _AVX512 = _Spec(
     "dolmus-kernels",
     (
+        "int8_kernels.c",
         "quant_kernels.c",
         "layer_kernels.c",
         "decode_attention.c",
@@ -83,7 +85,7 @@ _AVX512 = _Spec(
         "decode_step.c",
         "prefill_attention.c",
     ),
-    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
     {
         "dolmus_int8_gemm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "dolmus_int4_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],

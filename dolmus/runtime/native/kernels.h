@@ -20,7 +20,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const int64_t *contexts, int64_t nseq, uint16_t *out, int64_t out_stride, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale);
 void dolmus_silu_and_mul(const uint16_t *x, uint16_t *out, int64_t rows, int64_t cols);
-void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y, int64_t M,
+void dolmus_int8_gemm(const uint16_t *x, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
                       int64_t N, int64_t K);
 void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);

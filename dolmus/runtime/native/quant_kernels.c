@@ -1,4 +1,5 @@
-/* Weight-only int8 and int4 matrix kernels for x86 CPUs with AVX-512 (and AVX-512 BF16).
+/* Weight-only int4 and grouped int8 matrix kernels for x86 CPUs with AVX-512 BF16 (per-row int8:
+ * int8_kernels.c).
  *
  * Decode multiplies a few activation rows by every weight of the model, so its speed is
  * how fast weights stream from memory. PyTorch's int8 CPU kernel keeps weights row by row
@@ -7,13 +8,13 @@
  * column, so each 64-byte line of codes feeds 64 outputs directly: no horizontal sums, one
  * sequential stream per thread.
  *
- *   int8: P[b][k][j]  = q[64b + j][k]                              (int8, j < 64)
+ *   grouped int8: P[b][k][j]  = q[64b + j][k]                      (int8, j < 64)
  *   int4: P[b][p][.]  = 64 bytes holding q[64b + o][2p + e] for o < 64, e < 2: output
  *         o = 32s + 16h + 4l + i in byte 16l + 8h + 2i + e, low nibble for s = 0, high for 1
  *         (the order AVX-512's in-lane byte interleave produces; see nibbles_to_bf16_pairs in bf16_simd.h)
  *
  * y[m][n] = sum_k x[m][k] w[n][k], activations and outputs in bf16, sums in float32:
- *   int8: w = q * scale[n]
+ *   grouped int8: w = q * scale[g][n] + zero[g][n] for k in group g
  *   int4: w = (q - 8) * scale[g][n] + zero[g][n] for k in group g (PyTorch's convention).
  * Both multiply with AVX-512 BF16 dot products, two inputs per lane and instruction. int8
  * codes are exact in bf16 (a converted float's top half). int4 codes become bf16 pairs
@@ -49,85 +50,6 @@ static inline __m512 bf16x16_to_ps(const uint16_t *p) {
 static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
     __mmask16 mask = valid >= 16 ? 0xFFFF : (valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1));
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-/* dolmus_int8_gemm for MR < M <= 2 MR rows (a decode step of 5-8 sequences): each half of a
- * block (32 outputs) goes through with every row at once, so its codes are widened once, not once
- * per MR rows. There the product is bound by the core, not the stream (a row's dot products
- * are those of bf16 weights, and each code is widened as well): on a Zen 4, 8 rows over 350 MB
- * of codes 17.7 -> 23.7 GB/s, 6 rows 20.3 -> 25.2. The second half re-reads the block's codes
- * from L2 (K * 64 bytes: 56 KB at 896 inputs). Each output's sum runs in the same order, so the
- * bits are those of the MR-row passes. It repeats the MR-row loop of dolmus_int8_gemm on purpose:
- * the two as one inlined helper (rows, outputs and prefetch as constants) compiled to 8 rows at
- * 18-21 GB/s where this reads 22-25. */
-static void int8_gemm_halves(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
-                             int64_t M, int64_t N, int64_t K) {
-    int64_t blocks = (N + 63) / 64;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *pb = packed + b * K * 64;
-        for (int h = 0; h < 2; h++) {
-            __m512 acc[2 * MR][2];
-            for (int i = 0; i < 2 * MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 2) {
-                const int8_t *c = pb + k * 64;
-                if (h == 0) prefetch_stream(c, 2);
-                __m512bh w0 = int8_pairs_to_bf16(c + 32 * h, c + 64 + 32 * h);
-                __m512bh w1 = int8_pairs_to_bf16(c + 32 * h + 16, c + 64 + 32 * h + 16);
-                for (int i = 0; i < 2 * MR && i < M; i++) {
-                    int32_t pair;
-                    memcpy(&pair, x + i * K + k, sizeof pair);
-                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
-                }
-            }
-            for (int i = 0; i < M; i++)
-                for (int j = 0; j < 2; j++) {
-                    int64_t o = b * 64 + 32 * h + 16 * j;
-                    store_bf16(y + i * N + o, _mm512_mul_ps(acc[i][j], _mm512_loadu_ps(scale + o)), N - o);
-                }
-        }
-    }
-}
-
-/* y[M][N] = x[M][K] times int8 weights; scale: [Npad] float; K even. Pairs of inputs go
- * through AVX-512 BF16 dot products (two products per lane and instruction). */
-void dolmus_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
-                      int64_t M, int64_t N, int64_t K) {
-    if (M > MR && M <= 2 * MR) {
-        int8_gemm_halves(x, packed, scale, y, M, N, K);
-        return;
-    }
-    int64_t blocks = (N + 63) / 64;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *pb = packed + b * K * 64;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int64_t rows = M - m0 < MR ? M - m0 : MR;
-            __m512 acc[MR][4];
-            for (int i = 0; i < MR; i++)
-                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 2) {
-                const int8_t *c = pb + k * 64;
-                prefetch_stream(c, 2);
-                __m512bh w[4];
-                for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
-                for (int i = 0; i < MR && i < rows; i++) {
-                    int32_t pair;
-                    memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
-                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
-                }
-            }
-            for (int i = 0; i < rows; i++)
-                for (int j = 0; j < 4; j++) {
-                    __m512 s = _mm512_loadu_ps(scale + b * 64 + 16 * j);
-                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, _mm512_mul_ps(acc[i][j], s),
-                               N - b * 64 - 16 * j);
-                }
-        }
-    }
 }
 
 /* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
@@ -213,7 +135,7 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
 
 /* y[M][N] = x[M][K] times int8 weights with a scale and zero per group of inputs (GGUF's 8-bit
  * blocks: Q8_0, and the 5-, 6-, 3- and 2-bit types widened to bytes): w = q * scale[g][n] +
- * zero[g][n] for k in group g; packed as dolmus_int8_gemm's; scale, zero: [K / group][Npad]
+ * zero[g][n] for k in group g; packed as the header's grouped int8; scale, zero: [K / group][Npad]
  * bf16, zero NULL for none; K, group even. Per group, sum x q through bf16 dot products
  * (codes are exact in bf16), then times the scale, plus the zero times sum x. */
 void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
@@ -283,24 +205,6 @@ void dolmus_int8g_dequant_t(const int8_t *packed, const uint16_t *scale, const u
                 if (zero) v = _mm512_add_ps(v, bf16x16_to_ps(zero + g * npad + n + 16 * j));
                 _mm256_storeu_si256((__m256i *)(out + k * width + (n - n0) + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
             }
-        }
-    }
-}
-
-/* Rows [n0, n1) of an int8 weight as bf16, row-major [n1 - n0][K]: prefill chunks multiply
- * with PyTorch's bf16 GEMM, faster there than converting codes to float per row pass. */
-void dolmus_int8_dequant(const int8_t *packed, const float *scale, uint16_t *out,
-                         int64_t n0, int64_t n1, int64_t K) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        const int8_t *pb = packed + (n / 64) * K * 64 + n % 64;
-        uint16_t *row = out + (n - n0) * K;
-        float s = scale[n];
-        for (int64_t k = 0; k < K; k++) {
-            float v = pb[k * 64] * s;
-            uint32_t bits;
-            memcpy(&bits, &v, sizeof bits);
-            row[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
         }
     }
 }
