@@ -35,13 +35,6 @@
 
 #define MR 4 /* activation rows per pass over a block: codes are unpacked once per pass */
 
-static inline __m512 bf16_broadcast(const uint16_t *p) {
-    uint32_t bits = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return _mm512_set1_ps(f);
-}
-
 static inline __m512 bf16x16_to_ps(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -52,16 +45,23 @@ static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL. */
+/* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL.
+ * 16 inputs at a time: summed one by one, this took ~7 us of a one-row product over 4,864 inputs
+ * (~0.3 ms of a 0.5B body's int4 decode step, whose products take ~4 ms). */
 float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
     int64_t groups = K / group;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (!xsum) return NULL;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
-            float s = 0;
-            for (int64_t k = g * group; k < (g + 1) * group; k++) s += _mm512_cvtss_f32(bf16_broadcast(x + m * K + k));
-            xsum[m * groups + g] = s;
+            const uint16_t *p = x + m * K + g * group;
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t k = 0; k < group; k += 16) {
+                __mmask16 valid = group - k >= 16 ? 0xFFFF : (__mmask16)((1u << (group - k)) - 1);
+                __m256i h = _mm256_maskz_loadu_epi16(valid, p + k);
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            }
+            xsum[m * groups + g] = _mm512_reduce_add_ps(s);
         }
     return xsum;
 }
