@@ -25,7 +25,8 @@
  * and y = bf16(that * s * scale[n]). A row's result is the same whatever rows come with it (the
  * sums are exact integers), and so whichever pass reads it.
  *
- * Each thread takes a contiguous run of blocks. Up to 4 rows go through a block in one pass; one
+ * Each thread takes a contiguous run of blocks, and the other runs' last blocks once done with its
+ * own (panel_split.h, as the bf16 panels). Up to 4 rows go through a block in one pass; one
  * row reads the codes in the order they lie and asks for nothing (the stream the cores'
  * prefetchers follow, as bf16_gemm_avx512.c's seq_steps), 2-4 rows ask for the lines ahead too.
  * More rows go in passes of 3 (24 sums in registers), each pass after the first reading the
@@ -39,7 +40,10 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include "kernels.h"
+#include "panel_split.h"
 #include "prefetch.h"
 
 typedef int v16si __attribute__((vector_size(64))); /* GCC keeps arrays of these in registers (of
@@ -148,20 +152,26 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *pb, 
 static void int8_stretch(const int8_row *rows, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
                          int64_t N, int64_t quads) {
     int64_t blocks = (N + 63) / 64;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *pb = packed + b * quads * 256;
-        uint16_t *out[4];
-        for (int64_t m = 0; m < M;) {
-            int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
-            for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
-            if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, 0);
-            else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 1);
-            else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 1);
-            else if (M <= 4) block_rows(pb, quads, rows + m, 4, scale, out, b * 64, N, 1);
-            else if (r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 0);
-            else block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 0);
-            m += r;
+    panel_split split;
+#pragma omp parallel
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        split_init(&split, t, T, blocks);
+#pragma omp barrier
+        for (int64_t b; (b = split_take(&split, t, T)) >= 0;) {
+            const uint8_t *pb = packed + b * quads * 256;
+            uint16_t *out[4];
+            for (int64_t m = 0; m < M;) {
+                int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
+                for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
+                if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, 0);
+                else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 1);
+                else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 1);
+                else if (M <= 4) block_rows(pb, quads, rows + m, 4, scale, out, b * 64, N, 1);
+                else if (r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 0);
+                else block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 0);
+                m += r;
+            }
         }
     }
 }
