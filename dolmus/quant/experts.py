@@ -70,7 +70,7 @@ class GroupedInt8Matrix(ExpertMatrix):
     def dequantize(self) -> torch.Tensor:
         s = self.state
         n, k = s.out_features, s.packed.shape[1]
-        codes = s.packed.transpose(1, 2).reshape(-1, k)[:n].float()  # native.pack_int8's blocks
+        codes = s.packed.transpose(1, 2).reshape(-1, k)[:n].float()  # native.pack_int8_groups's blocks
         w = codes * s.scale[:, :n].float().T.repeat_interleave(s.group, dim=1)
         if s.zero is not None:
             w += s.zero[:, :n].float().T.repeat_interleave(s.group, dim=1)
