@@ -42,15 +42,20 @@ def test_kernels_build_here() -> None:
     assert native_build.library() is not None
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", ROWS)
-def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
-    gen = torch.Generator().manual_seed(n * k + m)
+def _int8_case(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random int8 codes with bf16 scales, packed; bf16 x [m, k]; x times the weight in float32."""
+    gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scale = (torch.rand(n, generator=gen) / 100).bfloat16()
     packed, scale32 = native.pack_int8(codes, scale)
     x = torch.randn(m, k, generator=gen).bfloat16()
-    expected = x.float() @ (codes.float() * scale.float()[:, None]).T
+    return x, packed, scale32, x.float() @ (codes.float() * scale.float()[:, None]).T
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
+    x, packed, scale32, expected = _int8_case(n, k, m, seed=n * k + m)
     _close(native.int8_matmul(x, packed, scale32, n), expected)
 
 
@@ -58,19 +63,14 @@ def test_int8_matmul_equals_float_arithmetic(n: int, k: int, m: int) -> None:
 @pytest.mark.parametrize("m", (1, 5, 130))
 def test_int8_dequantizing_path_equals_float_arithmetic(n: int, k: int, m: int) -> None:
     # where the CPU has AMX, long prompt chunks take this path (PyTorch's GEMM on its tiles)
-    gen = torch.Generator().manual_seed(n + k + m)
-    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = (torch.rand(n, generator=gen) / 100).bfloat16()
-    packed, scale32 = native.pack_int8(codes, scale)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    expected = x.float() @ (codes.float() * scale.float()[:, None]).T
+    x, packed, scale32, expected = _int8_case(n, k, m, seed=n + k + m)
     _close(native.int8_dequantized_matmul(x, packed, scale32, n), expected)
 
 
 @pytest.mark.parametrize("m", (2, 3, 4, 5, 8))
 def test_int8_rows_have_the_bits_they_have_alone(m: int) -> None:
-    # Up to 4 rows go through a block at once, more in passes of 3 (and 2): a row's result must not depend
-    # on how many rows came with it. Many long outputs, so that a sum taken in another order
+    # Up to 4 rows go through a block at once, more in passes of 3 (and 2): a row's result must
+    # not depend on how many rows came with it. Many long outputs, so that a sum taken in another order
     # shows in the bf16 bits of some of them.
     n, k = 2048, 4864
     gen = torch.Generator().manual_seed(m)

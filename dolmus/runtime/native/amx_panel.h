@@ -24,7 +24,7 @@ static inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to
 /* 16 sums of one output row -> bf16, plus bias, only the `valid` first ones written. */
 static inline void store_row(uint16_t *y, const float *acc, const float *bias, int64_t valid) {
     __m512 v = _mm512_loadu_ps(acc);
-    __mmask16 mask = valid >= 16 ? 0xFFFF : (valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1));
+    __mmask16 mask = first_lanes(valid);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }

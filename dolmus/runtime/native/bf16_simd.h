@@ -15,6 +15,16 @@ static inline void store_bf16x16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+/* Lanes [0, valid) of 16: none for valid <= 0, all from 16 on (a row's last, partial vector). */
+static inline __mmask16 first_lanes(int64_t valid) {
+    return valid >= 16 ? 0xFFFF : (valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1));
+}
+
+/* 16 floats -> bf16 at y, only the first `valid` written. */
+static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
+    _mm256_mask_storeu_epi16(y, first_lanes(valid), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 static inline __m512 round_to_bf16(__m512 v) {
     __m256bh h = _mm512_cvtneps_pbh(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));

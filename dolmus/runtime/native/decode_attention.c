@@ -35,10 +35,6 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(order, r);
 }
 
-static inline __mmask16 first_lanes(int64_t count) {
-    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
-}
-
 /* Query heads per pass over the values (registers: 2 sums of 16 floats per head and 32 values,
  * d / 32 of those, plus the two interleaved halves of a load and the heads' broadcast pairs): 4
  * for 64-element heads, 3 for the others that weigh_values takes (32, 96, 128). Seven heads in

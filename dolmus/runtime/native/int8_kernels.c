@@ -42,6 +42,7 @@
 
 #include <omp.h>
 
+#include "bf16_simd.h"
 #include "kernels.h"
 #include "panel_split.h"
 #include "prefetch.h"
@@ -85,8 +86,8 @@ static void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_
     memcpy(&row->s, &s_bits, sizeof row->s);
     __m512i sum_h = _mm512_setzero_si512(), sum_l = _mm512_setzero_si512();
     for (k = 0; k < kq; k += 16) {
-        __mmask16 valid = K - k >= 16 ? 0xFFFF : (K - k <= 0 ? 0 : (__mmask16)((1u << (K - k)) - 1));
-        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, x + k)), 16));
+        __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(K - k), x + k);
+        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(mul))); /* exact product, rounded to even */
         __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
         __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
@@ -97,11 +98,6 @@ static void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_
     }
     row->corr_h = 128 * _mm512_reduce_add_epi32(sum_h);
     row->corr_l = 128 * _mm512_reduce_add_epi32(sum_l);
-}
-
-static inline void store_bf16(uint16_t *y, __m512 v, int64_t valid) {
-    __mmask16 mask = valid >= 16 ? 0xFFFF : (valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1));
-    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 /* Rows rows[0 .. R) times block pb (quads of 256 bytes) -> outputs [n0, n0 + 64) of their y rows.

@@ -65,14 +65,14 @@ static void softmax_rows(float *s, uint16_t *pb, int64_t padded, int64_t rows, i
         int64_t len = r < rows ? first + r + 1 : 0;
         __m512 top = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
         for (int64_t k0 = 0; k0 < len; k0 += 16) {
-            __mmask16 m = len - k0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - k0)) - 1);
+            __mmask16 m = first_lanes(len - k0);
             __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + k0), sc);
             _mm512_storeu_ps(sr + k0, v);
             top = _mm512_mask_max_ps(top, m, top, v);
         }
         __m512 mx = _mm512_set1_ps(len ? _mm512_reduce_max_ps(top) : 0.0f), sum = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < padded; k0 += 16) {
-            __mmask16 m = len - k0 >= 16 ? 0xFFFF : len <= k0 ? 0 : (__mmask16)((1u << (len - k0)) - 1);
+            __mmask16 m = first_lanes(len - k0);
             __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + k0), mx)));
             sum = _mm512_add_ps(sum, e);
             store_bf16x16(pr + k0, e);
