@@ -4,8 +4,13 @@ calls, and the modules wherever it cannot run."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import build_model_dir
+from safetensors.torch import load_file, save_file
 
 from dolmus import LLM, SamplingParams
 from dolmus.pooling_params import PoolingParams
@@ -44,6 +49,75 @@ def test_fused_decode_gives_the_modules_bits(model_root, arch: str, quantization
         assert fused.engine.runner.fused_decoder is not None
     assert _outputs(fused) == _outputs(modules)
     assert fused.engine.runner.fused_steps >= (0 if fused.engine.runner.fused_decoder is None else 15)
+
+
+def _with_random_biases(folder: Path, dest: Path) -> Path:
+    """A copy of a checkpoint whose biases (Qwen2's q/k/v) are random: transformers initializes
+    them to zero, which no bias handling could get wrong."""
+    if dest.exists():
+        return dest
+    shutil.copytree(folder, dest)
+    weights = load_file(dest / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name, t in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = (torch.randn(t.shape, generator=gen) * 0.5).to(t.dtype)
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def _small_step_outputs(llm: LLM) -> list[tuple[list[int], list[dict]]]:
+    """Four prompts whose outputs end 6 tokens apart: decode steps of 4, 3, 2 and 1 sequences."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (8, 14, 20, 26)
+    ]
+    outs = llm.generate(random_prompts((3, 40, 9, 17), seed=5), params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize(
+    "arch, quantization",
+    [
+        ("qwen2-wide", None),
+        ("qwen2-wide", "int8"),
+        ("qwen2-wide", "int4"),
+        ("qwen3", None),
+        ("qwen3", "int8"),
+        ("llama-wide", "q4_1"),
+        ("llama-wide", "q8_0"),
+    ],
+)
+def test_small_decode_steps_in_one_region_give_the_per_call_bits(
+    tmp_path, model_root, monkeypatch, arch: str, quantization: str | None
+) -> None:
+    """Decode steps of 1 to 4 sequences run as one parallel region (decode_step.c's team_step):
+    the same tokens and log-probabilities as with a region per kernel call (DOLMUS_ONE_REGION=0)
+    and as the modules, on every kernel with a team form: bf16 on vdpbf16ps, int8, int4 and GGUF's
+    Q4_1 (int4 with zeros) and Q8_0 (grouped int8); q/k/v bias (Qwen2), q/k norms (Qwen3)."""
+    from dolmus.cli import main
+
+    folder = build_model_dir(arch, model_root)
+    if arch == "qwen2-wide":
+        folder = _with_random_biases(folder, model_root / "qwen2-wide-biases")
+    kw = dict(model=str(folder), dtype="bfloat16", quantization=quantization)
+    if quantization in ("q4_1", "q8_0"):
+        out = tmp_path / f"{quantization}.gguf"
+        assert main(["convert", str(folder), "--to", "gguf", "--out", str(out), "--type", quantization]) == 0
+        kw = dict(model=str(out), dtype="bfloat16")
+    one_region = LLM(**kw)
+    if one_region.engine.runner.fused_decoder is None:
+        pytest.skip("bf16 weights run on oneDNN here (DOLMUS_BF16_TILES=0)")
+    monkeypatch.setenv("DOLMUS_ONE_REGION", "0")
+    per_call = LLM(**kw)
+    monkeypatch.delenv("DOLMUS_ONE_REGION")
+    modules = LLM(**kw, fused_decode=False)
+    expected = _small_step_outputs(modules)
+    assert _small_step_outputs(one_region) == expected
+    assert _small_step_outputs(per_call) == expected
+    assert per_call.engine.runner.fused_decoder.one_region_steps == 0
+    if not native_build.amx_ready():  # on AMX, bf16 and several rows of int4 take the tiles instead
+        # 25 decode steps of 1-4 sequences (the first token of each comes from its prompt's step)
+        assert one_region.engine.runner.fused_decoder.one_region_steps >= 24
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])

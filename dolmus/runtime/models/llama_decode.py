@@ -46,6 +46,7 @@ class FusedDecoder:
     prompt_rows: int = 0
     scratch_cols: dict[str, int] = field(default_factory=dict)  # each scratch buffer's row width
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers, rows >= max_rows
+    one_region_steps: int = 0  # decode steps run as one parallel region (decode_step.c's team_step)
 
     def run(
         self,
@@ -62,7 +63,8 @@ class FusedDecoder:
                 f"a fused decode step takes 1 to {self.max_rows} sequences, not {tokens.shape[0]}"
             )
         out = torch.empty(tokens.shape[0], self.hidden, dtype=self.dtype)
-        decode_step.decode_step(self.desc, tokens, positions, slots, block_ids, lengths, out)
+        ran = decode_step.decode_step(self.desc, tokens, positions, slots, block_ids, lengths, out)
+        self.one_region_steps += ran
         return out
 
     def run_step(
@@ -198,6 +200,7 @@ def build_fused_decoder(
         cos=inner.rotary.cos.data_ptr(),
         sin=inner.rotary.sin.data_ptr(),
         **{name: t.data_ptr() for name, t in buffers.items()},
+        one_region=int(native.one_region_steps()),
     )
     keep.append(model)  # its weights, norms, embedding and rotary tables
     return FusedDecoder(desc, rows, hidden, dtype, keep, prompt_rows, scratch, buffers), ""

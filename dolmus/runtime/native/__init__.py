@@ -114,9 +114,11 @@ _AVX512 = _Spec(
         # (x, packed, scale, zero or NULL, y, M, N, K, group, bits 4 | 8)
         "dolmus_quant_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
         "dolmus_amx_quant_usable": [_i64, _i64, _i64, _i64],
-        # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out)
+        # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out): 1 run as one
+        # parallel region, else 0
         "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
-        # (decoder, step rows (model_step.h), out): 0, or -1 when the prefill kernel ran out of memory
+        # (decoder, step rows (model_step.h), out): 1 run as one parallel region, 0 not, or -1 when
+        # the prefill kernel ran out of memory
         "dolmus_model_step": [_ptr, _ptr, _ptr],
         # (q, q_stride, k_cache, v_cache, block_ids, nb, starts, lens, contexts, nseq, out, out_stride,
         #  hq, hkv, d, bs, scale)
@@ -174,6 +176,7 @@ _RETURNS = {
     "dolmus_prefill_attention": ctypes.c_int,
     "dolmus_prefill_attention_f32": ctypes.c_int,
     "dolmus_model_step": ctypes.c_int,
+    "dolmus_decode_step": ctypes.c_int,
     "dolmus_model_step_f32": ctypes.c_int,
 }
 # Loops start on 64-byte lines: the one-row weight stream's loop ran ~12% slower (decode at one
@@ -231,6 +234,13 @@ def tile_gemm_ready() -> bool:
     if amx_ready():
         return True
     return library() is not None and os.environ.get("DOLMUS_BF16_TILES", "1") != "0"
+
+
+def one_region_steps() -> bool:
+    """Whether fused decode steps of a few rows run as one OpenMP parallel region instead of one
+    per kernel call (decode_step.c's team_step; the same bits). DOLMUS_ONE_REGION=0 turns it off,
+    to compare the two."""
+    return os.environ.get("DOLMUS_ONE_REGION", "1") != "0"
 
 
 def find_compiler() -> str | None:

@@ -30,6 +30,7 @@
 #include "prefetch.h"
 
 #define ROWS 8                  /* activation rows per block: 16 sums in registers */
+_Static_assert(TEAM_ROWS <= ROWS, "team_bf16_run keeps one block of sums");
 #define STRETCH_BYTES (1 << 19) /* activations per stretch of rows: half of a 1 MB L2 */
 /* Each stretch reads all of the weights again: a down projection's long rows (4864 inputs) made
  * stretches of 48 rows, and re-reading its 8.7 MB weights cost more than activations read from
@@ -268,13 +269,37 @@ void dolmus_bf16_gemm_avx512(const uint16_t *x, const uint16_t *packed, const fl
     free(copy);
 }
 
+/* The one-region step's form (kernels.h): rows padded to whole steps into ws where K needs it. */
+int64_t team_bf16_panels(int64_t N) { return round_up(N, PANEL) / PANEL; }
+
+void team_bf16_prep(const uint16_t *x, int64_t M, int64_t K, void *ws) {
+    int64_t kp = round_up(K, KSTEP);
+    if (kp == K) return;
+    memset(ws, 0, sizeof(uint16_t) * (size_t)(M * kp));
+    for (int64_t m = 0; m < M; m++) memcpy((uint16_t *)ws + m * kp, x + m * K, sizeof(uint16_t) * (size_t)K);
+}
+
+void team_bf16_run(const uint16_t *x, const void *ws, const uint16_t *packed, const float *bias, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, int64_t gated, panel_split *split, int t, int T) {
+    int64_t kp = round_up(K, KSTEP), steps = kp / KSTEP;
+    const uint16_t *xs = kp == K ? x : ws;
+    _Alignas(64) float acc[32 * ROWS]; /* TEAM_ROWS <= ROWS: one block of rows */
+    for (int64_t p; (p = split_take(split, t, T)) >= 0;)
+        panel_product_avx512(packed + p * steps * 2 * TILE, steps, xs, kp, M, bias, y, gated ? N / 2 : N, p * PANEL, N,
+                             (int)gated, acc);
+}
+
+int bf16_on_amx(void) {
+    static int amx = -1;
+    if (amx < 0) amx = dolmus_amx_ready();
+    return amx;
+}
+
 /* The tile-packed product on the best unit the CPU has: AMX tiles where the kernels were built
  * with them and Linux grants them, else vdpbf16ps. */
 void dolmus_bf16_gemm(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t M,
                       int64_t N, int64_t K, int64_t gated) {
-    static int amx = -1;
-    if (amx < 0) amx = dolmus_amx_ready();
-    if (amx)
+    if (bf16_on_amx())
         dolmus_bf16_gemm_amx(x, packed, bias, y, M, N, K, gated);
     else
         dolmus_bf16_gemm_avx512(x, packed, bias, y, M, N, K, gated);

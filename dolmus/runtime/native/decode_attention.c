@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include "bf16_simd.h"
+#include "kernels.h"
 
 /* Positions of one work item of decode attention above this many live on the heap. */
 #define STACK_POSITIONS 1024
@@ -445,21 +446,29 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
                              const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq,
                              int64_t hkv, int64_t d, int64_t bs, float scale, int64_t window) {
-    int64_t per_item = n >= 4 * omp_get_max_threads() ? hkv : 1; /* KV heads per work item */
-    int64_t items = n * (hkv / per_item);
     int64_t claimed = 0; /* items past the threads' first ones handed out, each claimed by a thread
                           * as it starts its previous one */
+    int64_t items = n * hkv; /* at most: whether a thread has an item to take is its share's business */
 #pragma omp parallel if (items > 1)
-    {
-        /* each thread's first item is its own number: claimed from the counter, two threads'
-         * back-to-back claims could give one thread both of a batch-1 step's two items */
-        int64_t threads = omp_get_num_threads(), item = omp_get_thread_num();
-        while (item < items) {
-            int64_t next = threads + __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            attend_item(q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, hq, hkv, d, bs, scale, window,
-                        per_item, item, next < items ? next : -1);
-            item = next;
-        }
+    team_decode_attention(q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale,
+                                 window, &claimed, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* Thread t of T's items (the API above, and decode_step.c's one-region step; kernels.h). */
+void team_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                  const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
+                                  const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
+                                  int64_t d, int64_t bs, float scale, int64_t window, int64_t *claimed, int t, int T) {
+    int64_t per_item = n >= 4 * T ? hkv : 1; /* KV heads per work item */
+    int64_t items = n * (hkv / per_item);
+    /* each thread's first item is its own number: claimed from the counter, two threads'
+     * back-to-back claims could give one thread both of a batch-1 step's two items */
+    int64_t item = t;
+    while (item < items) {
+        int64_t next = T + __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
+        attend_item(q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, hq, hkv, d, bs, scale, window,
+                    per_item, item, next < items ? next : -1);
+        item = next;
     }
 }
 

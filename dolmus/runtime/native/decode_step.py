@@ -59,6 +59,7 @@ class DecoderDesc(ctypes.Structure):
         ("layers", ctypes.POINTER(LayerDesc)),
         *((name, _p) for name in ("embed", "final_norm", "cos", "sin")),
         *((name, _p) for name in ("residual", "normed", "qkv", "attn", "gate_up", "act", "delta")),
+        ("one_region", _i64),  # decode_step.c: small decode steps as one parallel region
     ]
 
 
@@ -112,24 +113,28 @@ def decode_step(
     block_ids: torch.Tensor,
     lengths: torch.Tensor,
     out: torch.Tensor,
-) -> None:
+) -> bool:
     """Run the step: tokens, positions, slots, lengths [rows] and block_ids [rows, nb], all
     int64 and contiguous; out [rows, hidden] gets the final norm's output. A bf16 `out` runs
-    decode_step.c, a float32 one decode_step_f32.c (the descriptors' tensors in that dtype)."""
+    decode_step.c, a float32 one decode_step_f32.c (the descriptors' tensors in that dtype).
+    True where it ran as one parallel region (decode_step.c's team_step)."""
     if out.dtype == torch.float32:
         step = avx2_library().dolmus_decode_step_f32
     else:
         step = library().dolmus_decode_step
-    step(
-        ctypes.addressof(decoder),
-        tokens.shape[0],
-        tokens.data_ptr(),
-        positions.data_ptr(),
-        slots.data_ptr(),
-        block_ids.data_ptr(),
-        block_ids.shape[1],
-        lengths.data_ptr(),
-        out.data_ptr(),
+    return (
+        step(
+            ctypes.addressof(decoder),
+            tokens.shape[0],
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            block_ids.data_ptr(),
+            block_ids.shape[1],
+            lengths.data_ptr(),
+            out.data_ptr(),
+        )
+        == 1
     )
 
 
@@ -141,4 +146,4 @@ def model_step(decoder: DecoderDesc, step: StepDesc, out: torch.Tensor) -> bool:
         step_fn = avx2_library().dolmus_model_step_f32
     else:
         step_fn = library().dolmus_model_step
-    return step_fn(ctypes.addressof(decoder), ctypes.addressof(step), out.data_ptr()) == 0
+    return step_fn(ctypes.addressof(decoder), ctypes.addressof(step), out.data_ptr()) >= 0

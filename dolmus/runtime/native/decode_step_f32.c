@@ -42,6 +42,7 @@ typedef struct {
     const layer_f32 *layers;
     const float *embed, *final_norm, *cos, *sin;
     float *residual, *normed, *qkv, *attn, *gate_up, *act, *delta; /* scratch, most rows */
+    int64_t one_region; /* decode_step.c's; every step here runs a region per kernel */
 } decoder_f32;
 
 static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {

@@ -56,6 +56,7 @@ typedef struct {
     int32_t corr_h, corr_l; /* 128 sum h, 128 sum l */
     float s;                /* x = s x16; NaN when the row holds an inf or NaN */
 } int8_row;
+_Static_assert(sizeof(int8_row) <= 64, "team_int8_prep keeps TEAM_ROWS of them in 64-byte slots");
 
 /* Row x [K] -> h, l [kq] and the row's sums and scale (see the header). */
 static void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row) {
@@ -144,31 +145,37 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *pb, 
  * L2, read again by every block; each stretch reads all of the weights again (from memory). */
 #define STRETCH_BYTES (1 << 19)
 
+/* Thread t's blocks of `split` (set up for every block): rows [0, M) of the split activations
+ * times them -> their outputs of the y rows. */
+static void int8_blocks(const int8_row *rows, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
+                        int64_t N, int64_t quads, panel_split *split, int t, int T) {
+    for (int64_t b; (b = split_take(split, t, T)) >= 0;) {
+        const uint8_t *pb = packed + b * quads * 256;
+        uint16_t *out[4];
+        for (int64_t m = 0; m < M;) {
+            int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
+            for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
+            if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, 0);
+            else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 1);
+            else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 1);
+            else if (M <= 4) block_rows(pb, quads, rows + m, 4, scale, out, b * 64, N, 1);
+            else if (r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 0);
+            else block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 0);
+            m += r;
+        }
+    }
+}
+
 /* Rows [0, M) of the split activations times every block -> y rows. */
 static void int8_stretch(const int8_row *rows, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
                          int64_t N, int64_t quads) {
-    int64_t blocks = (N + 63) / 64;
     panel_split split;
 #pragma omp parallel
     {
         int t = omp_get_thread_num(), T = omp_get_num_threads();
-        split_init(&split, t, T, blocks);
+        split_init(&split, t, T, (N + 63) / 64);
 #pragma omp barrier
-        for (int64_t b; (b = split_take(&split, t, T)) >= 0;) {
-            const uint8_t *pb = packed + b * quads * 256;
-            uint16_t *out[4];
-            for (int64_t m = 0; m < M;) {
-                int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
-                for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
-                if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, 0);
-                else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 1);
-                else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 1);
-                else if (M <= 4) block_rows(pb, quads, rows + m, 4, scale, out, b * 64, N, 1);
-                else if (r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, 0);
-                else block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, 0);
-                m += r;
-            }
-        }
+        int8_blocks(rows, packed, scale, y, M, N, quads, &split, t, T);
     }
 }
 
@@ -191,6 +198,20 @@ void dolmus_int8_gemm(const uint16_t *x, const uint8_t *packed, const float *sca
     }
     free(rows);
     free(bytes);
+}
+
+/* The one-region step's form (kernels.h): ws holds the rows' int8_row (TEAM_ROWS * 64 bytes), then
+ * each row's h and l. */
+void team_int8_prep(const uint16_t *x, int64_t M, int64_t K, void *ws) {
+    int64_t kq = (K + 15) / 16 * 16;
+    int8_t *bytes = (int8_t *)ws + TEAM_ROWS * 64;
+    for (int64_t m = 0; m < M; m++)
+        split_row(x + m * K, K, kq, bytes + 2 * m * kq, bytes + (2 * m + 1) * kq, (int8_row *)ws + m);
+}
+
+void team_int8_run(const void *ws, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
+                          int64_t N, int64_t K, panel_split *split, int t, int T) {
+    int8_blocks((const int8_row *)ws, packed, scale, y, M, N, (K + 3) / 4, split, t, T);
 }
 
 /* Rows [n0, n1) of the packed int8 weight as bf16, row-major [n1 - n0][K], n0 a multiple of 4:

@@ -40,13 +40,11 @@ static inline __m512 bf16x16_to_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* sum x over each group of inputs of each row: [M][K / group] floats (the caller frees), or NULL.
+/* sum x over each group of inputs of each row -> out [M][K / group].
  * 16 inputs at a time: summed one by one, this took ~7 us of a one-row product over 4,864 inputs
  * (~0.3 ms of a 0.5B body's int4 decode step, whose products take ~4 ms). */
-float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
+void group_sums_into(const uint16_t *x, int64_t M, int64_t K, int64_t group, float *out) {
     int64_t groups = K / group;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
-    if (!xsum) return NULL;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *p = x + m * K + g * group;
@@ -55,9 +53,70 @@ float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group)
                 __m256i h = _mm256_maskz_loadu_epi16(first_lanes(group - k), p + k);
                 s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
             }
-            xsum[m * groups + g] = _mm512_reduce_add_ps(s);
+            out[m * groups + g] = _mm512_reduce_add_ps(s);
         }
+}
+
+/* The same sums in a new array (the caller frees), or NULL. */
+float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group) {
+    float *xsum = malloc(sizeof(float) * (size_t)(M * (K / group)));
+    if (xsum) group_sums_into(x, M, K, group, xsum);
     return xsum;
+}
+
+/* Block b of an int4 weight: rows [0, M) of x times it -> outputs [64 b, 64 b + 64) of y. */
+static void int4_block(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
+                       const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
+    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
+    const uint8_t *pb = packed + b * (K / 2) * 64;
+    /* The next block's scales and zeros, a line pair in each group's row (rows npad values
+     * apart), asked for ahead: 2-8% at one row. Skipping their reads altogether made the
+     * product ~28% faster, but that is their bytes: a block-major layout (one stream)
+     * measured the same as this one. */
+    if (b + 1 < blocks)
+        for (int64_t g = 0; g < groups; g++) {
+            const char *sa = (const char *)(scale + g * npad + (b + 1) * 64);
+            _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
+            if (zero) {
+                const char *za = (const char *)(zero + g * npad + (b + 1) * 64);
+                _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
+            }
+        }
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        int64_t rows = M - m0 < MR ? M - m0 : MR;
+        __m512 total[MR][4];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 acc[MR][4];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+                __m512bh w[4];
+                prefetch_stream(pb + (k / 2) * 64, 1);
+                nibbles_to_bf16_pairs(pb + (k / 2) * 64, w);
+                for (int i = 0; i < MR && i < rows; i++) {
+                    int32_t pair;
+                    memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+                }
+            }
+            const uint16_t *sg = scale + g * npad + b * 64;
+            for (int j = 0; j < 4; j++) {
+                __m512 s = bf16x16_to_ps(sg + 16 * j);
+                __m512 z = zero ? bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j) : _mm512_setzero_ps();
+                for (int i = 0; i < MR && i < rows; i++) {
+                    __m512 xs = _mm512_set1_ps(xsum[(m0 + i) * groups + g]);
+                    __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[i][j]);
+                    total[i][j] = _mm512_fmadd_ps(dot, s, _mm512_fmadd_ps(xs, z, total[i][j]));
+                }
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < 4; j++)
+                store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
+    }
 }
 
 /* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even.
@@ -69,62 +128,60 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
         dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 4);
         return;
     }
-    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = dolmus_group_sums(x, M, K, group);
     if (!xsum) return;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *pb = packed + b * (K / 2) * 64;
-        /* The next block's scales and zeros, a line pair in each group's row (rows npad values
-         * apart), asked for ahead: 2-8% at one row. Skipping their reads altogether made the
-         * product ~28% faster, but that is their bytes: a block-major layout (one stream)
-         * measured the same as this one. */
-        if (b + 1 < blocks)
-            for (int64_t g = 0; g < groups; g++) {
-                const char *sa = (const char *)(scale + g * npad + (b + 1) * 64);
-                _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
-                if (zero) {
-                    const char *za = (const char *)(zero + g * npad + (b + 1) * 64);
-                    _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
-                }
-            }
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int64_t rows = M - m0 < MR ? M - m0 : MR;
-            __m512 total[MR][4];
-            for (int i = 0; i < MR; i++)
-                for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 acc[MR][4];
-                for (int i = 0; i < MR; i++)
-                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-                for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
-                    __m512bh w[4];
-                    prefetch_stream(pb + (k / 2) * 64, 1);
-                    nibbles_to_bf16_pairs(pb + (k / 2) * 64, w);
-                    for (int i = 0; i < MR && i < rows; i++) {
-                        int32_t pair;
-                        memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
-                        __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
-                    }
-                }
-                const uint16_t *sg = scale + g * npad + b * 64;
-                for (int j = 0; j < 4; j++) {
-                    __m512 s = bf16x16_to_ps(sg + 16 * j);
-                    __m512 z = zero ? bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j) : _mm512_setzero_ps();
-                    for (int i = 0; i < MR && i < rows; i++) {
-                        __m512 xs = _mm512_set1_ps(xsum[(m0 + i) * groups + g]);
-                        __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[i][j]);
-                        total[i][j] = _mm512_fmadd_ps(dot, s, _mm512_fmadd_ps(xs, z, total[i][j]));
-                    }
-                }
-            }
-            for (int i = 0; i < rows; i++)
-                for (int j = 0; j < 4; j++)
-                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
-        }
-    }
+    for (int64_t b = 0; b < (N + 63) / 64; b++) int4_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
     free(xsum);
+}
+
+/* The one-region step's form (kernels.h); xsum: the group sums (its prep). */
+void team_int4_run(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
+                          const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                          panel_split *split, int t, int T) {
+    for (int64_t b; (b = split_take(split, t, T)) >= 0;) int4_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
+}
+
+/* Block b of a grouped int8 weight: rows [0, M) of x times it -> outputs [64 b, 64 b + 64) of y. */
+static void int8g_block(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
+                        const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
+    int64_t npad = (N + 63) / 64 * 64, groups = K / group;
+    const int8_t *pb = packed + b * K * 64;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        int64_t rows = M - m0 < MR ? M - m0 : MR;
+        __m512 total[MR][4];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 acc[MR][4];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+                const int8_t *c = pb + k * 64;
+                prefetch_stream(c, 2);
+                __m512bh w[4];
+                for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
+                for (int i = 0; i < MR && i < rows; i++) {
+                    int32_t pair;
+                    memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                __m512 s = bf16x16_to_ps(scale + g * npad + b * 64 + 16 * j);
+                for (int i = 0; i < MR && i < rows; i++) total[i][j] = _mm512_fmadd_ps(acc[i][j], s, total[i][j]);
+                if (zero) {
+                    __m512 z = bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j);
+                    for (int i = 0; i < MR && i < rows; i++)
+                        total[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + i) * groups + g]), z, total[i][j]);
+                }
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < 4; j++)
+                store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
+    }
 }
 
 /* y[M][N] = x[M][K] times int8 weights with a scale and zero per group of inputs (GGUF's 8-bit
@@ -138,49 +195,18 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
         dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 8);
         return;
     }
-    int64_t blocks = (N + 63) / 64, npad = blocks * 64, groups = K / group;
     float *xsum = NULL; /* the zeros' term: zero * sum x per group */
     if (zero && !(xsum = dolmus_group_sums(x, M, K, group))) return;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *pb = packed + b * K * 64;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int64_t rows = M - m0 < MR ? M - m0 : MR;
-            __m512 total[MR][4];
-            for (int i = 0; i < MR; i++)
-                for (int j = 0; j < 4; j++) total[i][j] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 acc[MR][4];
-                for (int i = 0; i < MR; i++)
-                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-                for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
-                    const int8_t *c = pb + k * 64;
-                    prefetch_stream(c, 2);
-                    __m512bh w[4];
-                    for (int j = 0; j < 4; j++) w[j] = int8_pairs_to_bf16(c + 16 * j, c + 64 + 16 * j);
-                    for (int i = 0; i < MR && i < rows; i++) {
-                        int32_t pair;
-                        memcpy(&pair, x + (m0 + i) * K + k, sizeof pair);
-                        __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
-                    }
-                }
-                for (int j = 0; j < 4; j++) {
-                    __m512 s = bf16x16_to_ps(scale + g * npad + b * 64 + 16 * j);
-                    for (int i = 0; i < MR && i < rows; i++) total[i][j] = _mm512_fmadd_ps(acc[i][j], s, total[i][j]);
-                    if (zero) {
-                        __m512 z = bf16x16_to_ps(zero + g * npad + b * 64 + 16 * j);
-                        for (int i = 0; i < MR && i < rows; i++)
-                            total[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + i) * groups + g]), z, total[i][j]);
-                    }
-                }
-            }
-            for (int i = 0; i < rows; i++)
-                for (int j = 0; j < 4; j++)
-                    store_bf16(y + (m0 + i) * N + b * 64 + 16 * j, total[i][j], N - b * 64 - 16 * j);
-        }
-    }
+    for (int64_t b = 0; b < (N + 63) / 64; b++) int8g_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
     free(xsum);
+}
+
+/* The one-region step's form (kernels.h); xsum: the group sums where there are zeros (its prep). */
+void team_int8g_run(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
+                           const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                           panel_split *split, int t, int T) {
+    for (int64_t b; (b = split_take(split, t, T)) >= 0;) int8g_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
 }
 
 /* Outputs [n0, n1) of a grouped int8 weight as bf16, transposed: out[K][n1 - n0] (prefill
