@@ -47,6 +47,8 @@ def test_fused_decode_gives_the_modules_bits(model_root, arch: str, quantization
         assert fused.engine.runner.fused_decoder is None
     else:
         assert fused.engine.runner.fused_decoder is not None
+        # the LM head (tied to the embedding in qwen2-wide) runs in the step too
+        assert fused.engine.runner.fused_decoder.vocab == fused.engine.runner.model.lm_head.out_features
     assert _outputs(fused) == _outputs(modules)
     assert fused.engine.runner.fused_steps >= (0 if fused.engine.runner.fused_decoder is None else 15)
 

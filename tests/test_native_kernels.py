@@ -134,6 +134,30 @@ def test_int8_rows_with_inf_or_nan_give_nan_alone() -> None:
     assert not got[1].isnan().any()
 
 
+@pytest.mark.parametrize("vocab", (1, 15, 16, 17, 512, 151_936))
+def test_argmax_is_pytorchs_max_index(vocab: int) -> None:
+    """The fused decode step's greedy choice (dolmus_argmax_bf16): PyTorch's max(dim=-1) index on
+    bf16 rows, ties to the first (rows of repeated values), -inf rows, and NaN (the first NaN)."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [
+        torch.randn(vocab, generator=gen),
+        torch.randint(-3, 3, (vocab,), generator=gen).float(),  # many ties
+        torch.full((vocab,), float("-inf")),
+        torch.zeros(vocab),
+    ]
+    nan = torch.randn(vocab, generator=gen)
+    nan[vocab // 2] = nan[-1] = float("nan")
+    rows.append(nan)
+    signed_zeros = torch.full((vocab,), -1.0)
+    signed_zeros[vocab // 3] = -0.0
+    signed_zeros[-1] = 0.0
+    rows.append(signed_zeros)
+    logits = torch.stack(rows).bfloat16()
+    out = torch.zeros(len(rows), dtype=torch.int64)
+    native_build.library().dolmus_argmax_bf16(logits.data_ptr(), len(rows), vocab, out.data_ptr())
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()
+
+
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("group", (32, 64, 128))
 @pytest.mark.parametrize("n,k", SHAPES[1:])

@@ -159,9 +159,17 @@ class BatchInputs:
             input_ids = resolve_inflight(input_ids, self.inflight.device_buffer)
         return input_ids, torch.from_numpy(r.positions).to(self.device, non_blocking=True), meta
 
-    def fused_decode(self, decoder: FusedDecoder, rows: list[tuple[RunnerSequence, int]]) -> torch.Tensor:
+    def fused_decode(
+        self, decoder: FusedDecoder | CudaGraphDecoder, rows: list[tuple[RunnerSequence, int]]
+    ) -> torch.Tensor:
         """The final hidden states of one token per row (a sequence and the context before
         its token), by a fused decode step (the target's or the draft model's)."""
+        if isinstance(decoder, FusedDecoder):  # on the CPU: the step works out slots and blocks
+            tokens = [seq.token_at(c) for seq, c in rows]
+            if self.inflight is not None and min(tokens) < 0:  # the last step's, still in its buffer
+                last = self.inflight.device_buffer
+                tokens = [t if t >= 0 else int(last[-1 - t]) for t in tokens]
+            return decoder.run(tokens, [c for _, c in rows], [seq.row for seq, _ in rows], self.table)
         bs = self.block_size
         n = len(rows)
         cols = np.empty((5, n), dtype=np.int64)  # tokens, positions, table rows, slots, lengths
@@ -173,12 +181,8 @@ class BatchInputs:
         np.add(positions, 1, out=cols[4])
         tokens, positions_t, table_rows, slots, lengths = torch.from_numpy(cols).unbind(0)
         np.add(self.table.rows[cols[2], positions // bs] * bs, positions % bs, out=cols[3])
-        if isinstance(decoder, CudaGraphDecoder):  # it reads the block table's device copy by seat
-            return decoder.run(tokens, positions_t, slots, table_rows, lengths)
-        table = self.table.rows[cols[2], : max(context) // bs + 1]  # a contiguous copy
-        if self.inflight is not None and cols[0].min() < 0:  # on the CPU: the last step's tokens
-            tokens = resolve_inflight(tokens, self.inflight.device_buffer)
-        return decoder.run(tokens, positions_t, slots, torch.from_numpy(table), lengths)
+        # CUDA graphs read the block table's device copy by seat
+        return decoder.run(tokens, positions_t, slots, table_rows, lengths)
 
     def fused_step(
         self,

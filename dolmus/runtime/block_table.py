@@ -20,6 +20,8 @@ import torch
 class BlockTable:
     def __init__(self, seats: int, width: int) -> None:
         self.cpu = torch.zeros(seats, width, dtype=torch.long)
+        self.width = width
+        self.address = self.cpu.data_ptr()  # for the fused decode step, which reads it in C
         self._free = list(range(seats - 1, -1, -1))
         self.device_copy: torch.Tensor | None = None
         self._updates: list[tuple[int, int, list[int]]] = []  # (seat, column, blocks) not yet sent
@@ -39,6 +41,7 @@ class BlockTable:
         if not self._free:  # more held requests than seats: grow rather than fail
             grown = self.cpu.shape[0]
             self.cpu = torch.cat((self.cpu, torch.zeros_like(self.cpu)))
+            self.address = self.cpu.data_ptr()
             self._free = list(range(2 * grown - 1, grown - 1, -1))
             self.grew = True
             self.device_copy = None

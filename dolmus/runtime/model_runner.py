@@ -156,6 +156,8 @@ class ModelRunner:
             self.fused_decoder, why = self.model.fused_decoder(self.kv_caches, rows)
             if self.fused_decoder is None:
                 logger.info("fused decode step: off (%s)", why)
+            elif why := self.fused_decoder.attach_head(self.model):
+                logger.info("fused decode step: logits by the LM head module (%s)", why)
             draft = self.drafter
             if draft is not None and hasattr(draft.model, "fused_decoder"):
                 draft.fused_decoder, why = draft.model.fused_decoder(draft.kv_caches, rows)
@@ -317,9 +319,12 @@ class ModelRunner:
         if chunks and not drafts and self._reads_only_sampled_rows(scheduled):
             sampled_rows = [rows_of[rid][-1] for rid, seq, n in scheduled if seq.samples_after(n)]
         hidden = None
+        step_logits = greedy = None  # where the fused decode step computed the logits too
         if fused is not None and not chunks and len(decodes) <= fused.max_rows:
             hidden = self.inputs.fused_decode(fused, [(seq, ctx) for _, seq, ctx in decodes])
             self.fused_steps += 1
+            if isinstance(fused, FusedDecoder):
+                step_logits, greedy = fused.logits, fused.argmax
         elif isinstance(fused, FusedDecoder) and chunks and not drafts and self.drafter is None:
             if offset <= fused.prompt_rows:  # the step's rows
                 hidden = self.inputs.fused_step(
@@ -377,12 +382,16 @@ class ModelRunner:
             assert sample_index == sampled_rows, "sampled rows foreseen wrongly"
             logits = self.model.compute_logits(hidden)
         elif sample_index == list(range(hidden.shape[0])):  # a plain decode step samples every row
-            logits = self.model.compute_logits(hidden)
+            logits = step_logits if step_logits is not None else self.model.compute_logits(hidden)
         else:
             index = torch.tensor(sample_index, pin_memory=self.device.type == "cuda")
-            logits = self.model.compute_logits(
-                hidden.index_select(0, index.to(self.device, non_blocking=True))
-            )
+            if step_logits is not None:
+                logits = step_logits.index_select(0, index)
+                greedy = [greedy[i] for i in sample_index]  # type: ignore[index]
+            else:
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, index.to(self.device, non_blocking=True))
+                )
         bitmask = None
         if plan.grammar_bitmask is not None:
             words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32)
@@ -400,7 +409,7 @@ class ModelRunner:
                     seq.pending += 1
                     seq.inflight = i
                 return LaunchedStep(result, ids, wait, self.batch.deliver)
-            for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask)):
+            for rid, sampled in zip(ids, self.sampler(logits, rows, bitmask, greedy)):
                 result.sampled[rid] = [sampled.token_id]
                 if sampled.logprobs is not None:
                     result.logprobs[rid] = [sampled.logprobs]

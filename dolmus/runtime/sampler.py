@@ -67,9 +67,14 @@ class Sampler:
         self._seeded = torch.Generator(device)  # reseeded per (seed, position) before each draw
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+        argmax: list[int] | None = None,
     ) -> list[Sampled]:
-        """logits: [len(rows), vocab] in the model's dtype; bitmask: int32 rows for `grammar_row`s."""
+        """logits: [len(rows), vocab] in the model's dtype; bitmask: int32 rows for `grammar_row`s;
+        argmax: each row's largest logit's index (the first on ties) where the caller has it."""
         raw_logprobs = None
         # Each distinct settings object checked once: a batch mostly shares a few (one per
         # generate call or API client setting), and these checks ran per row per step.
@@ -81,7 +86,7 @@ class Sampler:
         if plain_greedy:
             # Fast path: no float copy of a [batch, vocab] tensor. (max's indices are argmax's,
             # first index on ties, at ~2.3x the speed on bf16 CPU rows.)
-            token_list = logits.max(dim=-1).indices.tolist()
+            token_list = argmax if argmax is not None else logits.max(dim=-1).indices.tolist()
         else:
             # a copy even of float32 logits: processors work in place, and the caller's rows
             # must stay raw (grammar redraws and logprobs read them again)

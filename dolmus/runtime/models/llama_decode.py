@@ -17,6 +17,8 @@ counterpart of the CUDA graphs other engines capture for decode steps.
 
 from __future__ import annotations
 
+import ctypes
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ from dolmus.runtime.layers.linear_method import BF16_KINDS, F32_KINDS, NativeKin
 from dolmus.runtime.native import decode_step
 
 if TYPE_CHECKING:
+    from dolmus.runtime.block_table import BlockTable
     from dolmus.runtime.models.llama import LlamaForCausalLM
 
 
@@ -47,24 +50,79 @@ class FusedDecoder:
     scratch_cols: dict[str, int] = field(default_factory=dict)  # each scratch buffer's row width
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers, rows >= max_rows
     one_region_steps: int = 0  # decode steps run as one parallel region (decode_step.c's team_step)
+    vocab: int = 0  # the LM head's outputs where decode steps compute the logits too (attach_head)
+    # of the last decode step, where it computed them: its logits [n, vocab] (a buffer the next
+    # step writes again) and each row's largest logit's index (the first on ties)
+    logits: torch.Tensor | None = None
+    argmax: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        # resolved once: a decode step runs on caches its weights just flushed, where every
+        # Python, numpy or torch call costs tens of microseconds (docs/performance.md)
+        self._step = decode_step.decode_step_fn(self.dtype)
+        self._desc_address = ctypes.addressof(self.desc)
+        self._out = torch.empty(self.max_rows, self.hidden, dtype=self.dtype)
+        self._out_address = self._out.data_ptr()
+        self._out_rows: dict[int, torch.Tensor] = {}  # n -> the first n rows of _out
+        self._logits = torch.empty(0, 0, dtype=self.dtype)  # grown to the most rows seen
+        self._logits_address = 0
+        self._logits_rows: dict[int, torch.Tensor] = {}
+        self._argmax = array("q")
+
+    def attach_head(self, model: LlamaForCausalLM) -> str:
+        """Let decode steps compute the logits too, in the same call (the target model's; a
+        draft model's runner calls its own LM head): what the step saves is the Python and
+        PyTorch calls of an LM head module and of a greedy row's max, each paying for the caches
+        the step's weights flushed. Returns why not, or ""."""
+        from dolmus.runtime.models.llama import LlamaForCausalLM
+
+        if self.dtype != torch.bfloat16:
+            return "the float32 step leaves the logits to the LM head module"
+        if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
+            return "the model's logits are more than its LM head's product"
+        head = _native(model.lm_head)
+        if head is None or head.kind not in BF16_KINDS:
+            return "the LM head runs on a product the step does not call"
+        self.desc.head = decode_step.linear_desc(head)
+        self.keep.append(head)
+        self.vocab = head.n
+        return ""
 
     def run(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_ids: torch.Tensor,
-        lengths: torch.Tensor,
+        self, tokens: list[int], positions: list[int], seats: list[int], table: BlockTable
     ) -> torch.Tensor:
-        """The final norm's output [rows, hidden] for one new token per sequence (int64,
-        contiguous: tokens, positions, slots, lengths [rows]; block_ids [rows, nb])."""
-        if not 0 < tokens.shape[0] <= self.max_rows:
-            raise ValueError(
-                f"a fused decode step takes 1 to {self.max_rows} sequences, not {tokens.shape[0]}"
-            )
-        out = torch.empty(tokens.shape[0], self.hidden, dtype=self.dtype)
-        ran = decode_step.decode_step(self.desc, tokens, positions, slots, block_ids, lengths, out)
+        """The final norm's output [n, hidden] for one new token per sequence: its token, its
+        position, and its seat (row) in the runner's block table. The rows are a buffer the next
+        decode step writes again: use them before it."""
+        n = len(tokens)
+        if not 0 < n <= self.max_rows:
+            raise ValueError(f"a fused decode step takes 1 to {self.max_rows} sequences, not {n}")
+        rows = array("q", tokens)
+        rows.extend(positions)
+        rows.extend(seats)
+        logits = argmax = 0
+        if self.vocab:
+            if n > self._logits.shape[0]:
+                self._logits = torch.empty(n, self.vocab, dtype=self.dtype)
+                self._logits_address = self._logits.data_ptr()
+                self._logits_rows.clear()
+                self._argmax = array("q", bytes(8 * n))
+            logits, argmax = self._logits_address, self._argmax.buffer_info()[0]
+        address = rows.buffer_info()[0]
+        ran = self._step(
+            self._desc_address, n, address, table.address, table.width, self._out_address, logits, argmax
+        )
+        if ran < 0:
+            raise MemoryError("the fused decode step could not allocate its rows' block ids")
         self.one_region_steps += ran
+        if self.vocab:
+            self.logits = self._logits_rows.get(n)
+            if self.logits is None:
+                self.logits = self._logits_rows[n] = self._logits[:n]
+            self.argmax = self._argmax[:n].tolist()
+        out = self._out_rows.get(n)
+        if out is None:
+            out = self._out_rows[n] = self._out[:n]
         return out
 
     def run_step(

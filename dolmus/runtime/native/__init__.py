@@ -114,9 +114,11 @@ _AVX512 = _Spec(
         # (x, packed, scale, zero or NULL, y, M, N, K, group, bits 4 | 8)
         "dolmus_quant_gemm_amx": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
         "dolmus_amx_quant_usable": [_i64, _i64, _i64, _i64],
-        # (decoder, rows, tokens, positions, slots, block_ids, nb, lengths, out): 1 run as one
-        # parallel region, else 0
-        "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        # (decoder, n, rows [3][n]: tokens, positions, seats; block table, its width, out, logits or
+        # NULL, argmax): 1 run as one parallel region, 0 not, -1 out of memory
+        "dolmus_decode_step": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
+        # (logits [rows][vocab] bf16, rows, vocab, out [rows] int64)
+        "dolmus_argmax_bf16": [_ptr, _i64, _i64, _ptr],
         # (decoder, step rows (model_step.h), out): 1 run as one parallel region, 0 not, or -1 when
         # the prefill kernel ran out of memory
         "dolmus_model_step": [_ptr, _ptr, _ptr],
@@ -158,7 +160,7 @@ _AVX2 = _Spec(
         # (x, packed, bias or NULL, y, M, N, K)
         "dolmus_bf16w_gemm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         # as dolmus_decode_step
-        "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+        "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
         "dolmus_model_step_f32": [_ptr, _ptr, _ptr],
         # as dolmus_prefill_attention, in float32
         "dolmus_prefill_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
@@ -177,6 +179,7 @@ _RETURNS = {
     "dolmus_prefill_attention_f32": ctypes.c_int,
     "dolmus_model_step": ctypes.c_int,
     "dolmus_decode_step": ctypes.c_int,
+    "dolmus_decode_step_f32": ctypes.c_int,
     "dolmus_model_step_f32": ctypes.c_int,
 }
 # Loops start on 64-byte lines: the one-row weight stream's loop ran ~12% slower (decode at one

@@ -59,6 +59,7 @@ typedef struct {
     uint16_t *act;                /* [rows][inner] */
     uint16_t *delta;              /* [rows][hidden] */
     int64_t one_region;           /* 1: small decode steps run as one parallel region (team_step) */
+    dolmus_linear head;           /* the LM head, for decode steps' logits; packed NULL: none */
 } dolmus_decoder;
 
 /* y = bf16(y + b) per row: PyTorch's bf16 add. n % 16 tail handled with masks. */
@@ -151,8 +152,9 @@ static int team_linear(const dolmus_linear *l, int64_t rows) {
     }
 }
 
-static int team_fits(const dolmus_decoder *m, const dolmus_step *s) {
+static int team_fits(const dolmus_decoder *m, const dolmus_step *s, const uint16_t *logits) {
     if (!m->one_region || s->chunks || s->rows > TEAM_ROWS || s->kept != s->rows) return 0;
+    if (logits && !team_linear(&m->head, s->rows)) return 0;
     for (int64_t i = 0; i < m->num_layers; i++) {
         const dolmus_layer *L = m->layers + i;
         if (!team_linear(&L->qkv, s->rows) || !team_linear(&L->o, s->rows) || !team_linear(&L->gate_up, s->rows) ||
@@ -209,9 +211,8 @@ static void team_bias(const dolmus_linear *l, uint16_t *y, int64_t rows) {
     if (l->bias && l->kind != LINEAR_AMX_BF16) add_rows(y, l->bias, rows, l->n, 0);
 }
 
-/* dolmus_model_step for a step that team_fits: -1 (nothing written) when its scratch could not
- * be had. */
-static int team_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out) {
+/* model_step for a step that team_fits: -1 (nothing written) when its scratch could not be had. */
+static int team_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out, uint16_t *logits) {
     const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, rows = s->rows;
     const int64_t width = (hq + 2 * hkv) * d, widest = m->inner > hq * d ? m->inner : hq * d;
     void *ws = aligned_alloc(64, team_scratch_bytes(widest > hidden ? widest : hidden));
@@ -261,9 +262,16 @@ static int team_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *ou
                 add_rows(m->residual, m->delta, rows, hidden, hidden);
             }
         }
+        if (t == 0) {
+            dolmus_rms_norm(m->residual, m->final_norm, out, rows, hidden, m->eps);
+            if (logits) team_prep(&m->head, out, rows, ws);
+        }
+        if (logits) {
+            team_product(&m->head, out, logits, rows, ws, &split, t, T);
+            if (t == 0) team_bias(&m->head, logits, rows);
+        }
     }
     free(ws);
-    dolmus_rms_norm(m->residual, m->final_norm, out, rows, hidden, m->eps);
     return 0;
 }
 
@@ -274,10 +282,10 @@ static int team_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *ou
  * parallel region (team_step), 0 where it ran a region per kernel, or -1 when the prefill kernel
  * ran out of memory (the caller runs the step another way; the keys and values written so far
  * are the ones it writes again). */
-int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out) {
+static int model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out, uint16_t *logits) {
     const int64_t hidden = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
     const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
-    if (team_fits(m, s) && team_step(m, s, out) == 0) return 1;
+    if (team_fits(m, s, logits) && team_step(m, s, out, logits) == 0) return 1;
     int64_t rows = s->rows;
     for (int64_t t = 0; t < rows; t++)
         memcpy(m->residual + t * hidden, m->embed + s->tokens[t] * hidden, sizeof(uint16_t) * (size_t)hidden);
@@ -307,16 +315,57 @@ int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *o
         add_rows(m->residual, m->delta, rows, hidden, hidden);
     }
     dolmus_rms_norm(m->residual, m->final_norm, out, rows, hidden, m->eps);
+    if (logits) linear(&m->head, out, logits, rows);
     return 0;
 }
 
-/* A step of decodes alone: tokens [rows], the new token of each sequence; positions [rows];
- * slots [rows]: where its key and value go; block_ids [rows][nb] and lengths [rows] (positions +
- * 1): what it attends to. out [rows][hidden]. Returns dolmus_model_step's 1 or 0. */
-int dolmus_decode_step(const dolmus_decoder *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
-                       const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
-                       uint16_t *out) {
-    dolmus_step s = {rows, tokens, positions, slots, rows, block_ids, nb, lengths, 0, NULL, 0, NULL, NULL, NULL,
-                     rows, NULL};
-    return dolmus_model_step(m, &s, out);
+int dolmus_model_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *out) {
+    return model_step(m, s, out, NULL);
+}
+
+/* The index of each row's largest logit, the first where several tie, as PyTorch's max(dim=-1)
+ * gives it on bf16 rows (a NaN counts as the largest: the first NaN's). */
+void dolmus_argmax_bf16(const uint16_t *logits, int64_t rows, int64_t vocab, int64_t *argmax) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = logits + r * vocab;
+        __m512 top = _mm512_set1_ps(-__builtin_inff());
+        __mmask16 nan = 0;
+        for (int64_t c = 0; c < vocab; c += 16) {
+            __m512 v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(vocab - c), x + c)), 16));
+            __mmask16 valid = first_lanes(vocab - c);
+            nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+            top = _mm512_mask_max_ps(top, valid, top, v);
+        }
+        float best = _mm512_reduce_max_ps(top);
+        int64_t at = 0;
+        for (int64_t c = 0; c < vocab; c++) {
+            union { uint32_t u; float f; } v = {(uint32_t)x[c] << 16};
+            if (nan ? v.f != v.f : v.f == best) {
+                at = c;
+                break;
+            }
+        }
+        argmax[r] = at;
+    }
+}
+
+/* A step of decodes alone, one new token per sequence: rows [3][n] (tokens, positions, seats in
+ * table [seats][width]: model_step.h's seat_rows). out [n][hidden]: the final norm's output. Where
+ * the decoder has an LM head and logits is not NULL, also logits [n][vocab] (the head's product of
+ * out, as the module path's LM head computes it) and argmax [n], each row's largest logit's index
+ * (dolmus_argmax_bf16): the Python between two steps, on caches the weights flushed, cost more than
+ * these. Returns 1 where the step ran as one parallel region, 0 where not, or -1 when memory ran
+ * out (nothing written). */
+int dolmus_decode_step(const dolmus_decoder *m, int64_t n, const int64_t *rows, const int64_t *table, int64_t width,
+                       uint16_t *out, uint16_t *logits, int64_t *argmax) {
+    dolmus_step s;
+    int64_t *scratch = seat_rows(&s, n, rows, table, width, m->block_size);
+    if (!scratch) return -1;
+    if (!m->head.packed) logits = NULL;
+    int done = model_step(m, &s, out, logits);
+    free(scratch);
+    if (logits) dolmus_argmax_bf16(logits, n, m->head.n, argmax);
+    return done;
 }

@@ -8,6 +8,7 @@ runtime/models/llama_decode.py holds the model and its scratch buffers)."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -60,6 +61,7 @@ class DecoderDesc(ctypes.Structure):
         *((name, _p) for name in ("embed", "final_norm", "cos", "sin")),
         *((name, _p) for name in ("residual", "normed", "qkv", "attn", "gate_up", "act", "delta")),
         ("one_region", _i64),  # decode_step.c: small decode steps as one parallel region
+        ("head", LinearDesc),  # decode_step.c: the LM head for decode steps' logits (packed None: none)
     ]
 
 
@@ -105,37 +107,18 @@ def linear_desc(linear: NativeLinear) -> LinearDesc:
     )
 
 
-def decode_step(
-    decoder: DecoderDesc,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    block_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    out: torch.Tensor,
-) -> bool:
-    """Run the step: tokens, positions, slots, lengths [rows] and block_ids [rows, nb], all
-    int64 and contiguous; out [rows, hidden] gets the final norm's output. A bf16 `out` runs
-    decode_step.c, a float32 one decode_step_f32.c (the descriptors' tensors in that dtype).
-    True where it ran as one parallel region (decode_step.c's team_step)."""
-    if out.dtype == torch.float32:
-        step = avx2_library().dolmus_decode_step_f32
-    else:
-        step = library().dolmus_decode_step
-    return (
-        step(
-            ctypes.addressof(decoder),
-            tokens.shape[0],
-            tokens.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            block_ids.data_ptr(),
-            block_ids.shape[1],
-            lengths.data_ptr(),
-            out.data_ptr(),
-        )
-        == 1
-    )
+def decode_step_fn(dtype: torch.dtype) -> Callable[..., int]:
+    """The C decode step for a model's dtype: decode_step.c's (bf16) or decode_step_f32.c's
+    (float32, the descriptors' tensors in that dtype). Called with (decoder address, n, rows
+    address, block table address, its width, out, logits, argmax addresses): rows, int64 [3][n],
+    each sequence's new token, its position and its seat in the table; out [n, hidden] gets the
+    final norm's output; where the decoder has an LM head (bf16 only) and logits is not 0, logits
+    [n, vocab] its product and argmax, int64 [n], each row's largest logit's index (the first on
+    ties). Returns 1 where the step ran as one parallel region (decode_step.c's team_step), 0
+    where not, -1 when memory ran out."""
+    if dtype == torch.float32:
+        return avx2_library().dolmus_decode_step_f32
+    return library().dolmus_decode_step
 
 
 def model_step(decoder: DecoderDesc, step: StepDesc, out: torch.Tensor) -> bool:

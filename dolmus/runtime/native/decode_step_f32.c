@@ -9,6 +9,7 @@
  * two). Where bf16 is emulated this is what a decode step of a bf16 or GGUF checkpoint runs.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels_f32.h"
@@ -43,6 +44,7 @@ typedef struct {
     const float *embed, *final_norm, *cos, *sin;
     float *residual, *normed, *qkv, *attn, *gate_up, *act, *delta; /* scratch, most rows */
     int64_t one_region; /* decode_step.c's; every step here runs a region per kernel */
+    linear_f32 head;    /* decode_step.c's; not read here (the caller computes the logits) */
 } decoder_f32;
 
 static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {
@@ -127,11 +129,15 @@ int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out
     return 0;
 }
 
-/* As dolmus_decode_step (decode_step.c), in float32. */
-void dolmus_decode_step_f32(const decoder_f32 *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
-                            const int64_t *slots, const int64_t *block_ids, int64_t nb, const int64_t *lengths,
-                            float *out) {
-    dolmus_step s = {rows, tokens, positions, slots, rows, block_ids, nb, lengths, 0, NULL, 0, NULL, NULL, NULL,
-                     rows, NULL};
-    dolmus_model_step_f32(m, &s, out);
+/* As dolmus_decode_step (decode_step.c), in float32, without the LM head (logits and argmax
+ * are not written: the caller runs its own). */
+int dolmus_decode_step_f32(const decoder_f32 *m, int64_t n, const int64_t *rows, const int64_t *table, int64_t width,
+                           float *out, float *logits, int64_t *argmax) {
+    (void)logits, (void)argmax;
+    dolmus_step s;
+    int64_t *scratch = seat_rows(&s, n, rows, table, width, m->block_size);
+    if (!scratch) return -1;
+    int done = dolmus_model_step_f32(m, &s, out);
+    free(scratch);
+    return done;
 }
