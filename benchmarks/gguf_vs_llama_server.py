@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from served import Disturbance, Load, bench, print_table, start_peer  # noqa: E402
+from served import SETTLE_SECONDS, Disturbance, Load, bench, print_table, settle, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--input-len", default="128")
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE_SECONDS, help="seconds to wait before each server starts"
+    )
     args = parser.parse_args()
     loads = [
         Load(f"{c} users", c, n)
@@ -111,6 +114,7 @@ def main() -> None:
     texts: dict[str, list[str]] = {}
     for name in ("llama-server", "dolmus"):
         print(f"\n=== {name} ===", flush=True)
+        settle(args.settle)
         if name == "dolmus":
             server = ServerProcess(
                 "--model", model, "--num-threads", str(THREADS), *args.dolmus_serve_args.split()

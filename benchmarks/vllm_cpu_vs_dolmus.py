@@ -3,7 +3,8 @@ same bf16 weights.
 
 One run: start vLLM's OpenAI server on the weights, run `dolmus bench` at each load against
 it, stop it, then the same against `dolmus serve`, and print both side by side with the
-ratios. The servers never run at the same time; each run's CPU pressure and steal are printed
+ratios. The servers never run at the same time, and each starts a minute after the last one
+stopped (`--settle`; served.py says why); each run's CPU pressure and steal are printed
 (vLLM's processes busy-poll, so its own pressure is high; ours above ~5%, or a steal above ~1%
 for either, means a disturbed run: steal is the hypervisor giving our cores to another guest,
 which pressure does not see). Then
@@ -49,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from served import Disturbance, Load, bench, itl_max, print_table, start_peer  # noqa: E402
+from served import SETTLE_SECONDS, Disturbance, Load, bench, itl_max, print_table, settle, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
@@ -85,6 +86,9 @@ def main() -> None:
     parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype")
     parser.add_argument("--dolmus-dtype", default="bfloat16", help="dolmus's --dtype (auto: its own default)")
     parser.add_argument("--dolmus-serve-args", default="", help="more `dolmus serve` flags")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE_SECONDS, help="seconds to wait before each server starts"
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="only dolmus (for quick iterations)")
     parser.add_argument("--skip-dolmus", action="store_true", help="only vLLM (another --vllm-dtype)")
     parser.add_argument(
@@ -101,6 +105,7 @@ def main() -> None:
     names = [n for n, skip in (("vLLM-CPU", args.skip_vllm), ("dolmus", args.skip_dolmus)) if not skip]
     for name in names:
         print(f"\n=== {name} ===", flush=True)
+        settle(args.settle)
         if name == "dolmus":
             server = ServerProcess(
                 "--model",
