@@ -280,7 +280,7 @@ void team_bf16_prep(const uint16_t *x, int64_t M, int64_t K, void *ws) {
 }
 
 void team_bf16_run(const uint16_t *x, const void *ws, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t M, int64_t N, int64_t K, int64_t gated, panel_split *split, int t, int T) {
+                   int64_t M, int64_t N, int64_t K, int64_t gated, panel_split *split, int t, int T) {
     int64_t kp = round_up(K, KSTEP), steps = kp / KSTEP;
     const uint16_t *xs = kp == K ? x : ws;
     _Alignas(64) float acc[32 * ROWS]; /* TEAM_ROWS <= ROWS: one block of rows */

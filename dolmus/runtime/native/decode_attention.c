@@ -451,14 +451,14 @@ void dolmus_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     int64_t items = n * hkv; /* at most: whether a thread has an item to take is its share's business */
 #pragma omp parallel if (items > 1)
     team_decode_attention(q, q_stride, k_cache, v_cache, block_ids, nb, lengths, out, n, hq, hkv, d, bs, scale,
-                                 window, &claimed, omp_get_thread_num(), omp_get_num_threads());
+                          window, &claimed, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* Thread t of T's items (the API above, and decode_step.c's one-region step; kernels.h). */
 void team_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                  const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
-                                  const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
-                                  int64_t d, int64_t bs, float scale, int64_t window, int64_t *claimed, int t, int T) {
+                           const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
+                           const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t bs, float scale, int64_t window, int64_t *claimed, int t, int T) {
     int64_t per_item = n >= 4 * T ? hkv : 1; /* KV heads per work item */
     int64_t items = n * (hkv / per_item);
     /* each thread's first item is its own number: claimed from the counter, two threads'

@@ -238,7 +238,7 @@ static int team_step(const dolmus_decoder *m, const dolmus_step *s, uint16_t *ou
             }
 #pragma omp barrier
             team_decode_attention(m->qkv, width, L->k_cache, L->v_cache, s->block_ids, s->nb, s->lengths, m->attn,
-                                         rows, hq, hkv, d, m->block_size, m->scale, L->window, &claimed, t, T);
+                                  rows, hq, hkv, d, m->block_size, m->scale, L->window, &claimed, t, T);
 #pragma omp barrier
             if (t == 0) team_prep(&L->o, m->attn, rows, ws);
             team_product(&L->o, m->attn, m->delta, rows, ws, &split, t, T);

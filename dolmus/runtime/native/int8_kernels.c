@@ -210,7 +210,7 @@ void team_int8_prep(const uint16_t *x, int64_t M, int64_t K, void *ws) {
 }
 
 void team_int8_run(const void *ws, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
-                          int64_t N, int64_t K, panel_split *split, int t, int T) {
+                   int64_t N, int64_t K, panel_split *split, int t, int T) {
     int8_blocks((const int8_row *)ws, packed, scale, y, M, N, (K + 3) / 4, split, t, T);
 }
 

@@ -52,25 +52,25 @@ static inline size_t team_scratch_bytes(int64_t K) {
 }
 void team_int8_prep(const uint16_t *x, int64_t M, int64_t K, void *ws);
 void team_int8_run(const void *ws, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
-                          int64_t N, int64_t K, panel_split *split, int t, int T);
+                   int64_t N, int64_t K, panel_split *split, int t, int T);
 /* the group sums of dolmus_group_sums into out (int4, and grouped int8 with zeros: their prep) */
 void group_sums_into(const uint16_t *x, int64_t M, int64_t K, int64_t group, float *out);
 void team_int4_run(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
-                          const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
-                          panel_split *split, int t, int T);
+                   const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                   panel_split *split, int t, int T);
 void team_int8g_run(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
-                           const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
-                           panel_split *split, int t, int T);
+                    const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                    panel_split *split, int t, int T);
 /* whether dolmus_bf16_gemm runs on AMX tiles here (no team form) */
 int bf16_on_amx(void);
 int64_t team_bf16_panels(int64_t N);
 void team_bf16_prep(const uint16_t *x, int64_t M, int64_t K, void *ws);
 void team_bf16_run(const uint16_t *x, const void *ws, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t M, int64_t N, int64_t K, int64_t gated, panel_split *split, int t, int T);
+                   int64_t M, int64_t N, int64_t K, int64_t gated, panel_split *split, int t, int T);
 /* thread t's share of dolmus_decode_attention's items; *claimed: 0, set before a barrier */
 void team_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                  const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
-                                  const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
-                                  int64_t d, int64_t bs, float scale, int64_t window, int64_t *claimed, int t, int T);
+                           const uint16_t *v_cache, const int64_t *block_ids, int64_t nb,
+                           const int64_t *lengths, uint16_t *out, int64_t n, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t bs, float scale, int64_t window, int64_t *claimed, int t, int T);
 
 #endif

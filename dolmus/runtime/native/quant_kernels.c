@@ -137,9 +137,10 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
 
 /* The one-region step's form (kernels.h); xsum: the group sums (its prep). */
 void team_int4_run(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
-                          const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
-                          panel_split *split, int t, int T) {
-    for (int64_t b; (b = split_take(split, t, T)) >= 0;) int4_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
+                   const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                   panel_split *split, int t, int T) {
+    for (int64_t b; (b = split_take(split, t, T)) >= 0;)
+        int4_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
 }
 
 /* Block b of a grouped int8 weight: rows [0, M) of x times it -> outputs [64 b, 64 b + 64) of y. */
@@ -204,9 +205,10 @@ void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *
 
 /* The one-region step's form (kernels.h); xsum: the group sums where there are zeros (its prep). */
 void team_int8g_run(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
-                           const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
-                           panel_split *split, int t, int T) {
-    for (int64_t b; (b = split_take(split, t, T)) >= 0;) int8g_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
+                    const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                    panel_split *split, int t, int T) {
+    for (int64_t b; (b = split_take(split, t, T)) >= 0;)
+        int8g_block(x, xsum, packed, scale, zero, y, M, N, K, group, b);
 }
 
 /* Outputs [n0, n1) of a grouped int8 weight as bf16, transposed: out[K][n1 - n0] (prefill
