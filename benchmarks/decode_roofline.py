@@ -9,7 +9,11 @@ bandwidth taken after a whole run says little about the run; here every round me
 right before and right after its own decode (a float32 sum over 1 GiB on huge pages, as
 bf16_linear.py does), and the round's share of the roofline uses their mean.
 
-    python benchmarks/decode_roofline.py [--rounds 5] [--tokens 64]
+    python benchmarks/decode_roofline.py [--rounds 5] [--tokens 64] [--settle 60]
+
+It waits a minute before each weight format (`--settle`): right after memory was freed (another
+process's, or the last format's model) the host takes it back, and a run then meets steal
+(pressure.py).
 
 Printed per weight format: the median decode tok/s, bandwidth and share of the roofline over
 the rounds, and the CPU pressure and steal over the run (above ~5% pressure or ~1% steal the
@@ -30,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from pressure import cpu_pressure_total, cpu_steal_seconds, steal_share  # noqa: E402
+from pressure import SETTLE_SECONDS, cpu_pressure_total, cpu_steal_seconds, settle, steal_share  # noqa: E402
 
 THREADS = 2
 CONFIGS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4 g32": {"quantization": "int4"}}
@@ -41,6 +45,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per round")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it, else float32")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE_SECONDS, help="seconds to wait before each weight format"
+    )
     args = parser.parse_args()
 
     from dolmus import LLM, SamplingParams
@@ -53,6 +60,7 @@ def main() -> None:
     psi, steal, start = cpu_pressure_total(), cpu_steal_seconds(), time.monotonic()
     rows = []
     for name, kw in CONFIGS.items():
+        settle(args.settle)  # also after the last format's model was freed
         llm = LLM(model=str(llama_body_dir()), dtype=args.dtype, num_threads=THREADS, **kw)
         nbytes = module_bytes(llm.engine.runner.model)
         llm.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=4))  # warm-up
@@ -73,7 +81,7 @@ def main() -> None:
         rows.append((name, nbytes, statistics.median(speeds), statistics.median(bandwidths), shares))
         del llm
         gc.collect()
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - start - len(CONFIGS) * max(args.settle, 0.0)  # the waits steal nothing
     pressure, stolen = (cpu_pressure_total() - psi) / 1e6 / seconds, steal_share(steal, seconds)
     print("\n| weights | MB per token | decode tok/s | read bandwidth | roofline share (median, range) |")
     print("| --- | --- | --- | --- | --- |")

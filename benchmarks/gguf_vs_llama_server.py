@@ -37,7 +37,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from served import SETTLE_SECONDS, Disturbance, Load, bench, print_table, settle, start_peer  # noqa: E402
+from pressure import SETTLE_SECONDS, settle  # noqa: E402
+from served import Disturbance, Load, bench, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 

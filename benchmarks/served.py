@@ -18,22 +18,6 @@ from pressure import cpu_pressure_total, cpu_steal_seconds, steal_share  # noqa:
 from dolmus.bench.spawn import free_port, wait_healthy  # noqa: E402
 from dolmus.cli import main as dolmus_main  # noqa: E402
 
-# Each server starts this long after the last one stopped (and after the script's own set-up):
-# the host takes back the memory a stopped server freed, and a server whose first load ran into
-# that saw the steal and the stretched gaps the run was timing. On a Zen 4 host (2026-12-07),
-# `dolmus serve` right after a process that had touched 6 GB exited, one user, 8 requests of
-# 128 tokens: 2.6-3.2% steal, 20-23 of ~1,000 gaps over 2.5x the median, ITL p99 53-54 ms; the
-# same 60 s later: 0.1%, none, 27 ms (in the benchmark against vLLM, our one-user load, right
-# after vLLM's server stopped, was the one load that saw 1.7-2.9% steal, run after run).
-SETTLE_SECONDS = 60.0
-
-
-def settle(seconds: float) -> None:
-    """Wait before a server starts (SETTLE_SECONDS)."""
-    if seconds > 0:
-        print(f"(waiting {seconds:.0f} s before the server starts, for the host to settle)", flush=True)
-        time.sleep(seconds)
-
 
 @dataclass(frozen=True)
 class Disturbance:

@@ -4,7 +4,7 @@ same bf16 weights.
 One run: start vLLM's OpenAI server on the weights, run `dolmus bench` at each load against
 it, stop it, then the same against `dolmus serve`, and print both side by side with the
 ratios. The servers never run at the same time, and each starts a minute after the last one
-stopped (`--settle`; served.py says why); each run's CPU pressure and steal are printed
+stopped (`--settle`; pressure.py says why); each run's CPU pressure and steal are printed
 (vLLM's processes busy-poll, so its own pressure is high; ours above ~5%, or a steal above ~1%
 for either, means a disturbed run: steal is the hypervisor giving our cores to another guest,
 which pressure does not see). Then
@@ -50,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bf16_linear import read_bandwidth  # noqa: E402
 from llama_body_model import llama_body_dir  # noqa: E402
-from served import SETTLE_SECONDS, Disturbance, Load, bench, itl_max, print_table, settle, start_peer  # noqa: E402
+from pressure import SETTLE_SECONDS, settle  # noqa: E402
+from served import Disturbance, Load, bench, itl_max, print_table, start_peer  # noqa: E402
 
 from dolmus.bench.spawn import ServerProcess  # noqa: E402
 
