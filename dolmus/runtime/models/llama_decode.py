@@ -64,7 +64,7 @@ class FusedDecoder:
         self._out = torch.empty(self.max_rows, self.hidden, dtype=self.dtype)
         self._out_address = self._out.data_ptr()
         self._out_rows: dict[int, torch.Tensor] = {}  # n -> the first n rows of _out
-        self._logits = torch.empty(0, 0, dtype=self.dtype)  # grown to the most rows seen
+        self._logits = torch.empty(0, 0, dtype=self.dtype)  # grown, with _argmax, to the most rows seen
         self._logits_address = 0
         self._logits_rows: dict[int, torch.Tensor] = {}
         self._argmax = array("q")
@@ -102,7 +102,7 @@ class FusedDecoder:
         rows.extend(seats)
         logits = argmax = 0
         if self.vocab:
-            if n > self._logits.shape[0]:
+            if n > len(self._argmax):  # both buffers hold that many rows
                 self._logits = torch.empty(n, self.vocab, dtype=self.dtype)
                 self._logits_address = self._logits.data_ptr()
                 self._logits_rows.clear()
@@ -116,14 +116,9 @@ class FusedDecoder:
             raise MemoryError("the fused decode step could not allocate its rows' block ids")
         self.one_region_steps += ran
         if self.vocab:
-            self.logits = self._logits_rows.get(n)
-            if self.logits is None:
-                self.logits = self._logits_rows[n] = self._logits[:n]
+            self.logits = _first_rows(self._logits, self._logits_rows, n)
             self.argmax = self._argmax[:n].tolist()
-        out = self._out_rows.get(n)
-        if out is None:
-            out = self._out_rows[n] = self._out[:n]
-        return out
+        return _first_rows(self._out, self._out_rows, n)
 
     def run_step(
         self,
@@ -177,6 +172,14 @@ class FusedDecoder:
             buffer = torch.empty(rows, width, dtype=self.dtype)
             self.scratch[name] = buffer
             setattr(self.desc, name, buffer.data_ptr())
+
+
+def _first_rows(buffer: torch.Tensor, views: dict[int, torch.Tensor], n: int) -> torch.Tensor:
+    """buffer[:n], made once per n (a torch slice per step costs more than the lookup)."""
+    view = views.get(n)
+    if view is None:
+        view = views[n] = buffer[:n]
+    return view
 
 
 def build_fused_decoder(
