@@ -108,10 +108,14 @@ static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_
 }
 
 /* Rows [0, rows) of qkv after their product: Qwen3's q/k norms, rotary embedding, and each
- * row's key and value into the cache. */
+ * row's key and value into the cache. Rows are independent, so a prompt chunk's are shared out
+ * between the threads: a 0.5B body's 2,048-token prompt spent 42.6 ms here on one thread, 29.2
+ * on two (Zen 4; 3.2 -> 2.8 ms at 129 tokens). Not half: the first write into a fresh block of
+ * the pool takes a page fault (kv_store.zeros), ~0.7 ms of the 129 tokens' time. */
 static void place_rows(const dolmus_decoder *m, const dolmus_layer *L, const dolmus_step *s, int64_t rows) {
     const int64_t d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
     const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
+#pragma omp parallel for schedule(static) if (rows > 16)
     for (int64_t t = 0; t < rows; t++) {
         uint16_t *row = m->qkv + t * width;
         if (L->q_norm) { /* in place: each row's statistics are read before it is written */
