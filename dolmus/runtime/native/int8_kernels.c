@@ -28,11 +28,12 @@
  * Each thread takes a contiguous run of blocks, and the other runs' last blocks once done with its
  * own (panel_split.h, as the bf16 panels). Up to 4 rows go through a block in one pass; one
  * row reads the codes in the order they lie (the stream the cores' prefetchers follow, as
- * bf16_gemm_avx512.c's seq_steps) and asks for each line ONE_ROW_AHEAD bytes on into L2, as
- * seq_steps does: with and without the request taking turns step by step in one process (a 0.5B
- * body's int8 decode, 2,500 steps a run), steps 4.3-4.5% shorter where the host gave ~60 GB/s
- * (shorter in 94% of the pairs) and 0.4-0.9% at ~33 GB/s; 1 KB and 4 KB ahead read 1-2% less
- * than 2 KB. 2-4 rows ask for the lines ahead prefetch.h's way.
+ * bf16_gemm_avx512.c's seq_steps) and, without AMX, asks for each line ONE_ROW_AHEAD bytes on
+ * into L2 (prefetch.h), as seq_steps does: with and without the request taking turns step by
+ * step in one process (a 0.5B body's int8 decode, 2,500 steps a run, Zen 4), steps 4.3-4.5%
+ * shorter where the host gave ~60 GB/s (shorter in 94% of the pairs) and 0.4-0.9% at ~33 GB/s;
+ * 1 KB and 4 KB ahead read 1-2% less than 2 KB. 2-4 rows ask for the lines ahead prefetch.h's
+ * way.
  * More rows go in passes of 3 (24 sums in registers), each pass after the first reading the
  * block from L2, and ask for nothing: there the requests cost more than they brought. On a Zen 4
  * (2 cores; a 0.5B body's 96 decode products, 362 MB of codes, out of cache, against the kernel
@@ -106,7 +107,6 @@ static void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_
 }
 
 enum { ASK_NOTHING, ASK_STREAM, ASK_AHEAD }; /* block_rows' requests for the lines ahead */
-#define ONE_ROW_AHEAD 2048
 
 /* Rows rows[0 .. R) times block pb (quads of 256 bytes) -> outputs [n0, n0 + 64) of their y rows.
  * R is a constant at each call, so the loops over rows and vectors unroll and the sums stay in
@@ -164,7 +164,7 @@ static void int8_blocks(const int8_row *rows, const uint8_t *packed, const float
         for (int64_t m = 0; m < M;) {
             int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
             for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
-            if (M == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ASK_AHEAD);
+            if (M == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ONE_ROW_AHEAD ? ASK_AHEAD : ASK_NOTHING);
             else if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ASK_NOTHING);
             else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, ASK_STREAM);
             else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, ASK_STREAM);

@@ -124,15 +124,16 @@ static inline __attribute__((always_inline)) void int4_block_asking(const uint16
     }
 }
 
-/* One row reads its codes without requests: its unpacking and products take long enough per line
- * that the cores' prefetchers keep up, and the requests only cost. With and without them taking
- * turns step by step in one process (a 0.5B body's int4 decode, 2,500 steps a run, Zen 4): steps
- * 2.3-3% shorter without, and 2-7% shorter than with each line asked for 2 KB ahead (seq_steps'
- * request). At 2 and 4 rows the requests are worth ~0.3%, and stay. */
+/* Without AMX one row reads its codes without requests (prefetch.h's ONE_ROW_STREAM): its
+ * unpacking and products take long enough a line that the cores' prefetchers keep up, and the
+ * requests only cost. With and without them taking turns step by step in one process (a 0.5B
+ * body's int4 decode, 2,500 steps a run, Zen 4): steps 2.3-3% shorter without, and 2-7% shorter
+ * than with each line asked for 2 KB ahead (seq_steps' request). At 2 and 4 rows the requests are
+ * worth ~0.3%, and stay. */
 static void int4_block(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
                        const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
     if (M == 1)
-        int4_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 0);
+        int4_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, ONE_ROW_STREAM);
     else
         int4_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 1);
 }
@@ -207,13 +208,14 @@ static inline __attribute__((always_inline)) void int8g_block_asking(const uint1
     }
 }
 
-/* One row without requests, as int4_block: a 0.5B body's Q8_0 decode (2,500 steps a run, the
- * two forms taking turns step by step, Zen 4) took steps 1.2-5% shorter without them, ~5% shorter
- * than with each line asked for 2 KB ahead; at 2 and 4 rows they are worth 0.1-0.6%. */
+/* One row without requests where the CPU has no AMX, as int4_block: a 0.5B body's Q8_0 decode
+ * (2,500 steps a run, the two forms taking turns step by step, Zen 4) took steps 1.2-5% shorter
+ * without them, ~5% shorter than with each line asked for 2 KB ahead; at 2 and 4 rows they are
+ * worth 0.1-0.6%. */
 static void int8g_block(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
                         const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
     if (M == 1)
-        int8g_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 0);
+        int8g_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, ONE_ROW_STREAM);
     else
         int8g_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 1);
 }
