@@ -167,13 +167,14 @@ _Static_assert(SEQ_ROWS <= 2, "seq_steps keeps the sums of at most 2 rows");
  * requests where a sum read ~60.) One sum per row and tile, steps and pairs in dp_steps' order:
  * the same bits.
  *
- * One row also asks for each line ONE_ROW_AHEAD bytes on, into L2: where the host gives ~60 GB/s the
- * prefetchers alone kept too few lines in flight (likely because each tile's 16 products are one
- * chain of dependent sums, so the core's own loads run only a few KB ahead of them). A 0.5B
- * body's decode on a Zen 4, with and without the request taking turns step by step in one
- * process (2,000 steps a run, four runs): steps 3-4% shorter where the host gave ~60 GB/s (median
- * of each step over the one before it; shorter in 80-85% of the pairs), 0-1% at ~33 GB/s; 1 KB
- * or 4 KB ahead read ~1% less than 2 KB. Two rows read 1-2% less with it, so they go without. */
+ * One row also asks for each line ONE_ROW_AHEAD bytes on, into L2 (prefetch.h): where the host
+ * gives ~60 GB/s the prefetchers alone kept too few lines in flight (likely because each tile's
+ * 16 products are one chain of dependent sums, so the core's own loads run only a few KB ahead
+ * of them). A 0.5B body's decode on a Zen 4, with and without the request taking turns step by
+ * step in one process (2,000 steps a run, four runs): steps 3-4% shorter where the host gave ~60
+ * GB/s (median of each step over the one before it; shorter in 80-85% of the pairs), 0-1% at ~33
+ * GB/s; 1 KB or 4 KB ahead read ~1% less than 2 KB. Two rows read 1-2% less with it, so they go
+ * without. */
 static inline __attribute__((always_inline)) void seq_steps(const uint16_t *pp, int64_t steps, const uint16_t *x,
                                                                int64_t ldx, const int R, float *acc) {
     __m512 a[2], c[2]; /* this tile's sums, the other tile's */

@@ -124,7 +124,8 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *pb, 
         v16si w[4];
         if (ask == ASK_STREAM) prefetch_stream(pb + 256 * c, 4);
         if (ask == ASK_AHEAD)
-            for (int v = 0; v < 4; v++) _mm_prefetch((const char *)(pb + 256 * c + 64 * v) + ONE_ROW_AHEAD, _MM_HINT_T1);
+            for (int v = 0; v < 4; v++)
+                _mm_prefetch((const char *)(pb + 256 * c + 64 * v) + ONE_ROW_AHEAD, _MM_HINT_T1);
         for (int v = 0; v < 4; v++) w[v] = (v16si)_mm512_loadu_si512((const void *)(pb + 256 * c + 64 * v));
         for (int r = 0; r < R; r++) {
             int32_t hq, lq;
@@ -164,7 +165,8 @@ static void int8_blocks(const int8_row *rows, const uint8_t *packed, const float
         for (int64_t m = 0; m < M;) {
             int64_t r = M <= 4 ? M : (M - m >= 3 ? 3 : M - m);
             for (int i = 0; i < r; i++) out[i] = y + (m + i) * N;
-            if (M == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ONE_ROW_AHEAD ? ASK_AHEAD : ASK_NOTHING);
+            if (M == 1) /* one row: the whole block's stream (prefetch.h's ONE_ROW_AHEAD) */
+                block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ONE_ROW_AHEAD ? ASK_AHEAD : ASK_NOTHING);
             else if (r == 1) block_rows(pb, quads, rows + m, 1, scale, out, b * 64, N, ASK_NOTHING);
             else if (M <= 4 && r == 2) block_rows(pb, quads, rows + m, 2, scale, out, b * 64, N, ASK_STREAM);
             else if (M <= 4 && r == 3) block_rows(pb, quads, rows + m, 3, scale, out, b * 64, N, ASK_STREAM);

@@ -66,7 +66,7 @@ float *dolmus_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t group)
 
 /* Block b of an int4 weight: rows [0, M) of x times it -> outputs [64 b, 64 b + 64) of y. `ask`:
  * request each line's far and near lines ahead (prefetch.h), or read the codes as they lie alone,
- * as one row does (int4_block). */
+ * as one row does without AMX (BLOCK_ASKING_FOR_ROWS). */
 static inline __attribute__((always_inline)) void int4_block_asking(const uint16_t *x, const float *xsum,
                                                                        const uint8_t *packed, const uint16_t *scale,
                                                                        const uint16_t *zero, uint16_t *y, int64_t M,
@@ -124,18 +124,25 @@ static inline __attribute__((always_inline)) void int4_block_asking(const uint16
     }
 }
 
-/* Without AMX one row reads its codes without requests (prefetch.h's ONE_ROW_STREAM): its
- * unpacking and products take long enough a line that the cores' prefetchers keep up, and the
- * requests only cost. With and without them taking turns step by step in one process (a 0.5B
- * body's int4 decode, 2,500 steps a run, Zen 4): steps 2.3-3% shorter without, and 2-7% shorter
- * than with each line asked for 2 KB ahead (seq_steps' request). At 2 and 4 rows the requests are
- * worth ~0.3%, and stay. */
+/* A block's product with the requests its rows take: without AMX one row reads its codes without
+ * them (prefetch.h's ONE_ROW_STREAM), more rows ask. One row's unpacking and products take long
+ * enough a line that the cores' prefetchers keep up, and the requests only cost. With and without
+ * them taking turns step by step in one process (a 0.5B body's decode, 2,000-2,500 steps a run,
+ * Zen 4): int4 steps 2.3-3% shorter without, and 2-7% shorter than with each line asked for 2 KB
+ * ahead (seq_steps' request); grouped int8 (GGUF Q8_0) 1.2-5% and ~5%. At 2 and 4 rows the
+ * requests are worth 0.1-0.6%, and stay. `ask` is a constant at each call, so each form's loop is
+ * its own. */
+#define BLOCK_ASKING_FOR_ROWS(block, M, ...)    \
+    do {                                        \
+        if ((M) == 1)                           \
+            block(__VA_ARGS__, ONE_ROW_STREAM); \
+        else                                    \
+            block(__VA_ARGS__, 1);              \
+    } while (0)
+
 static void int4_block(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
                        const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
-    if (M == 1)
-        int4_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, ONE_ROW_STREAM);
-    else
-        int4_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 1);
+    BLOCK_ASKING_FOR_ROWS(int4_block_asking, M, x, xsum, packed, scale, zero, y, M, N, K, group, b);
 }
 
 /* y[M][N] = x[M][K] times int4 weights; scale, zero: [K / group][Npad] bf16; K, group even.
@@ -163,7 +170,7 @@ void team_int4_run(const uint16_t *x, const float *xsum, const uint8_t *packed, 
 }
 
 /* Block b of a grouped int8 weight: rows [0, M) of x times it -> outputs [64 b, 64 b + 64) of y.
- * `ask` as int4_block_asking's. */
+ * `ask` as int4_block_asking's (BLOCK_ASKING_FOR_ROWS). */
 static inline __attribute__((always_inline)) void int8g_block_asking(const uint16_t *x, const float *xsum,
                                                                         const int8_t *packed, const uint16_t *scale,
                                                                         const uint16_t *zero, uint16_t *y, int64_t M,
@@ -208,16 +215,9 @@ static inline __attribute__((always_inline)) void int8g_block_asking(const uint1
     }
 }
 
-/* One row without requests where the CPU has no AMX, as int4_block: a 0.5B body's Q8_0 decode
- * (2,500 steps a run, the two forms taking turns step by step, Zen 4) took steps 1.2-5% shorter
- * without them, ~5% shorter than with each line asked for 2 KB ahead; at 2 and 4 rows they are
- * worth 0.1-0.6%. */
 static void int8g_block(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
                         const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group, int64_t b) {
-    if (M == 1)
-        int8g_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, ONE_ROW_STREAM);
-    else
-        int8g_block_asking(x, xsum, packed, scale, zero, y, M, N, K, group, b, 1);
+    BLOCK_ASKING_FOR_ROWS(int8g_block_asking, M, x, xsum, packed, scale, zero, y, M, N, K, group, b);
 }
 
 /* y[M][N] = x[M][K] times int8 weights with a scale and zero per group of inputs (GGUF's 8-bit
