@@ -107,27 +107,37 @@ static void gated(const dolmus_decoder *m, const dolmus_linear *l, const uint16_
     dolmus_silu_and_mul(m->gate_up, m->act, rows, m->inner);
 }
 
-/* Rows [0, rows) of qkv after their product: Qwen3's q/k norms, rotary embedding, and each
- * row's key and value into the cache. Rows are independent, so a prompt chunk's are shared out
- * between the threads: a 0.5B body's 2,048-token prompt spent 42.6 ms here on one thread, 29.2
- * on two (Zen 4; 3.2 -> 2.8 ms at 129 tokens). Not half: the first write into a fresh block of
- * the pool takes a page fault (kv_store.zeros), ~0.7 ms of the 129 tokens' time. */
-static void place_rows(const dolmus_decoder *m, const dolmus_layer *L, const dolmus_step *s, int64_t rows) {
+/* Row t of qkv after its product: Qwen3's q/k norms, rotary embedding, and its key and value
+ * into the cache. */
+static void place_row(const dolmus_decoder *m, const dolmus_layer *L, const dolmus_step *s, int64_t t) {
     const int64_t d = m->head_dim, hq = m->heads, hkv = m->kv_heads;
     const int64_t q_size = hq * d, kv_size = hkv * d, width = q_size + 2 * kv_size;
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int64_t t = 0; t < rows; t++) {
-        uint16_t *row = m->qkv + t * width;
-        if (L->q_norm) { /* in place: each row's statistics are read before it is written */
-            dolmus_rms_norm(row, L->q_norm, row, hq, d, m->eps);
-            dolmus_rms_norm(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
-        }
-        const int64_t p = s->positions[t];
-        dolmus_rotary(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
-        size_t bytes = sizeof(uint16_t) * (size_t)kv_size;
-        memcpy(L->k_cache + s->slots[t] * kv_size, row + q_size, bytes);
-        memcpy(L->v_cache + s->slots[t] * kv_size, row + q_size + kv_size, bytes);
+    uint16_t *row = m->qkv + t * width;
+    if (L->q_norm) { /* in place: each row's statistics are read before it is written */
+        dolmus_rms_norm(row, L->q_norm, row, hq, d, m->eps);
+        dolmus_rms_norm(row + q_size, L->k_norm, row + q_size, hkv, d, m->eps);
     }
+    const int64_t p = s->positions[t];
+    dolmus_rotary(row, width, m->cos + p * d, m->sin + p * d, 1, hq + hkv, d);
+    size_t bytes = sizeof(uint16_t) * (size_t)kv_size;
+    memcpy(L->k_cache + s->slots[t] * kv_size, row + q_size, bytes);
+    memcpy(L->v_cache + s->slots[t] * kv_size, row + q_size + kv_size, bytes);
+}
+
+/* Rows [0, rows) of qkv (place_row). Rows are independent, so a prompt chunk's are shared out
+ * between the threads: a 0.5B body's 2,048-token prompt spent 42.6 ms here on one thread, 29.2
+ * on two (Zen 4; 3.2 -> 2.8 ms at 129 tokens). Not half: the first write into a fresh block of
+ * the pool takes a page fault (kv_store.zeros), ~0.7 ms of the 129 tokens' time. A decode step's
+ * few rows stay on the calling thread without entering OpenMP at all: a parallel region's `if`
+ * that comes out false, called inside team_step's region, still sets up a team of one (~0.75 us
+ * a call, every layer of every step). */
+static void place_rows(const dolmus_decoder *m, const dolmus_layer *L, const dolmus_step *s, int64_t rows) {
+    if (rows <= 16) {
+        for (int64_t t = 0; t < rows; t++) place_row(m, L, s, t);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; t++) place_row(m, L, s, t);
 }
 
 /* ---- Small decode steps in one parallel region ----
