@@ -44,6 +44,8 @@ def test_gguf_blocks_fused_in_float32_give_the_modules_bits(
     kw = dict(model=str(out), dtype="float32", gguf_activations=activations)
     fused, modules = LLM(**kw), LLM(**kw, fused_decode=False)
     assert fused.engine.runner.fused_decoder.max_rows == STRIP_MAX_ROWS  # past it, the modules
+    # the LM head (GGUF's tied Q8_0 or Q4_1 embedding) runs in the step too
+    assert fused.engine.runner.fused_decoder.vocab == fused.engine.runner.model.lm_head.out_features
     for prompts in (PROMPTS, PROMPTS[:3], PROMPTS[:1]):  # the strips, then the tile kernels
         assert _outputs(fused, prompts) == _outputs(modules, prompts)
     assert fused.engine.runner.fused_steps >= 45
@@ -76,6 +78,7 @@ def test_weights_quantized_on_load_run_on_the_block_kernels_fused(tmp_path, quan
     layers = [m for m in fused.engine.runner.model.modules() if isinstance(m, Linear)]
     assert {layer.method_state.kernel.name for layer in layers} == {"blocks"}
     assert fused.engine.runner.fused_decoder is not None
+    assert fused.engine.runner.fused_decoder.vocab == fused.engine.runner.model.lm_head.out_features
     for prompts in (PROMPTS, PROMPTS[:1]):  # the strips, then one row
         assert _outputs(fused, prompts) == _outputs(modules, prompts)
     assert fused.engine.runner.fused_steps >= 30

@@ -230,20 +230,49 @@ def test_silu_and_mul_f32_equals_pytorch(rows: int) -> None:
 
 
 @needs_avx2
+@pytest.mark.parametrize("tokens", (5, 20))  # on the calling thread, and shared between threads
 @pytest.mark.parametrize("head_dim", (32, 64, 128))
-def test_rotary_f32_equals_pytorch(head_dim: int) -> None:
+def test_rotary_f32_equals_pytorch(head_dim: int, tokens: int) -> None:
     """In place on a strided view (q and k inside the fused qkv output), bit for bit."""
     gen = torch.Generator().manual_seed(head_dim)
     rope = RotaryEmbedding(head_dim, 256, 10000.0, None, torch.float32)
-    tokens, heads = 5, 6
+    heads = 6
     qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen)
     qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    cos, sin = rope.lookup(torch.tensor([0, 1, 7, 100, 255]))
+    cos, sin = rope.lookup(torch.tensor([0, 1, 7, 100, 255] if tokens == 5 else list(range(0, 240, 12))))
     expected = RotaryEmbedding.apply(qk, (cos, sin))
     untouched = qkv[:, heads * head_dim :].clone()
     native_ops.rotary_(qk, cos.reshape(tokens, -1), sin.reshape(tokens, -1))
     assert torch.equal(qk, expected)
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+@needs_avx2
+@pytest.mark.parametrize("vocab", (1, 7, 8, 9, 512, 49_152))
+def test_argmax_f32_is_pytorchs_max_index(vocab: int) -> None:
+    """The float32 fused step's greedy choice (dolmus_argmax_f32): PyTorch's max(dim=-1) index,
+    ties to the first (rows of repeated values), -inf rows, NaN (the first NaN), signed zeros."""
+    gen = torch.Generator().manual_seed(vocab)
+    nan = torch.randn(vocab, generator=gen)
+    nan[vocab // 2] = nan[-1] = float("nan")
+    signed_zeros = torch.full((vocab,), -1.0)
+    signed_zeros[vocab // 3] = -0.0
+    signed_zeros[-1] = 0.0
+    tail_max = torch.randn(vocab, generator=gen)
+    tail_max[-1] = 100.0  # in the scalar tail where vocab % 8
+    rows = [
+        torch.randn(vocab, generator=gen),
+        torch.randint(-3, 3, (vocab,), generator=gen).float(),  # many ties
+        torch.full((vocab,), float("-inf")),
+        torch.zeros(vocab),
+        nan,
+        signed_zeros,
+        tail_max,
+    ]
+    logits = torch.stack(rows)
+    out = torch.zeros(len(rows), dtype=torch.int64)
+    native_build.avx2_library().dolmus_argmax_f32(logits.data_ptr(), len(rows), vocab, out.data_ptr())
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()
 
 
 @needs_avx2

@@ -76,12 +76,10 @@ class FusedDecoder:
         the step's weights flushed. Returns why not, or ""."""
         from dolmus.runtime.models.llama import LlamaForCausalLM
 
-        if self.dtype != torch.bfloat16:
-            return "the float32 step leaves the logits to the LM head module"
         if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
             return "the model's logits are more than its LM head's product"
         head = _native(model.lm_head)
-        if head is None or head.kind not in BF16_KINDS:
+        if head is None or head.kind not in (BF16_KINDS if self.dtype == torch.bfloat16 else F32_KINDS):
             return "the LM head runs on a product the step does not call"
         self.desc.head = decode_step.linear_desc(head)
         self.keep.append(head)

@@ -162,6 +162,8 @@ _AVX2 = _Spec(
         # as dolmus_decode_step
         "dolmus_decode_step_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
         "dolmus_model_step_f32": [_ptr, _ptr, _ptr],
+        # (logits [rows][vocab] float32, rows, vocab, out [rows] int64)
+        "dolmus_argmax_f32": [_ptr, _i64, _i64, _ptr],
         # as dolmus_prefill_attention, in float32
         "dolmus_prefill_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
         + [_ptr, _i64]

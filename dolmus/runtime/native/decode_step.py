@@ -112,7 +112,7 @@ def decode_step_fn(dtype: torch.dtype) -> Callable[..., int]:
     (float32, the descriptors' tensors in that dtype). Called with (decoder address, n, rows
     address, block table address, its width, out, logits, argmax addresses): rows, int64 [3][n],
     each sequence's new token, its position and its seat in the table; out [n, hidden] gets the
-    final norm's output; where the decoder has an LM head (bf16 only) and logits is not 0, logits
+    final norm's output; where the decoder has an LM head and logits is not 0, logits
     [n, vocab] its product and argmax, int64 [n], each row's largest logit's index (the first on
     ties). Returns 1 where the step ran as one parallel region (decode_step.c's team_step), 0
     where not, -1 when memory ran out."""

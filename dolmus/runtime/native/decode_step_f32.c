@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 
 #include "kernels_f32.h"
 #include "model_step.h"
@@ -44,7 +45,7 @@ typedef struct {
     const float *embed, *final_norm, *cos, *sin;
     float *residual, *normed, *qkv, *attn, *gate_up, *act, *delta; /* scratch, most rows */
     int64_t one_region; /* decode_step.c's; every step here runs a region per kernel */
-    linear_f32 head;    /* decode_step.c's; not read here (the caller computes the logits) */
+    linear_f32 head;    /* the LM head, for decode steps' logits; packed NULL: none */
 } decoder_f32;
 
 static void linear(const linear_f32 *l, const float *x, float *y, int64_t m) {
@@ -129,15 +130,50 @@ int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out
     return 0;
 }
 
-/* As dolmus_decode_step (decode_step.c), in float32, without the LM head (logits and argmax
- * are not written: the caller runs its own). */
+/* The index of each row's largest logit, the first where several tie, as PyTorch's max(dim=-1)
+ * gives it on float32 rows (a NaN counts as the largest: the first NaN's). */
+void dolmus_argmax_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *argmax) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        __m256 top = _mm256_set1_ps(-__builtin_inff()), nan = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= vocab; c += 8) {
+            __m256 v = _mm256_loadu_ps(x + c);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, v);
+        }
+        float lanes[8], best = -__builtin_inff();
+        int any_nan = _mm256_movemask_ps(nan) != 0;
+        _mm256_storeu_ps(lanes, top);
+        for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+        for (; c < vocab; c++) {
+            any_nan |= x[c] != x[c];
+            best = x[c] > best ? x[c] : best;
+        }
+        int64_t at = 0;
+        for (c = 0; c < vocab; c++)
+            if (any_nan ? x[c] != x[c] : x[c] == best) {
+                at = c;
+                break;
+            }
+        argmax[r] = at;
+    }
+}
+
+/* As dolmus_decode_step (decode_step.c), in float32: where the decoder has an LM head and logits
+ * is not NULL, also logits [n][vocab] (the head's product of out, as the LM head module computes
+ * it) and argmax [n] (dolmus_argmax_f32). A region per kernel: returns 0, or -1 when memory ran
+ * out (nothing written). */
 int dolmus_decode_step_f32(const decoder_f32 *m, int64_t n, const int64_t *rows, const int64_t *table, int64_t width,
                            float *out, float *logits, int64_t *argmax) {
-    (void)logits, (void)argmax;
     dolmus_step s;
     int64_t *scratch = seat_rows(&s, n, rows, table, width, m->block_size);
     if (!scratch) return -1;
     int done = dolmus_model_step_f32(m, &s, out);
     free(scratch);
+    if (m->head.packed && logits) {
+        linear(&m->head, out, logits, n);
+        dolmus_argmax_f32(logits, n, m->head.n, argmax);
+    }
     return done;
 }

@@ -15,70 +15,88 @@
 #include "kernels_f32.h"
 #include "sums_avx2.h"
 
+/* Each kernel here shares its rows between the threads only above a size, and below it loops on
+ * the calling thread without entering OpenMP (a parallel region whose `if` comes out false still
+ * sets up a team of one; layer_kernels.c measured why it matters inside a one-region step). */
+#define SHARED_ROWS 16
+
 /* out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)). cols % 8 == 0. */
+static inline void norm_row_f32(const float *xr, const float *weight, float *out, int64_t cols, float eps) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        __m256 a = _mm256_loadu_ps(xr + c), b = _mm256_loadu_ps(xr + c + 8);
+        s0 = _mm256_fmadd_ps(a, a, s0);
+        s1 = _mm256_fmadd_ps(b, b, s1);
+    }
+    for (; c < cols; c += 8) {
+        __m256 a = _mm256_loadu_ps(xr + c);
+        s0 = _mm256_fmadd_ps(a, a, s0);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(s0, s1)) / (float)cols + eps));
+    for (c = 0; c < cols; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), inv)));
+}
+
 void dolmus_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
                          float eps) {
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * cols;
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        int64_t c = 0;
-        for (; c + 16 <= cols; c += 16) {
-            __m256 a = _mm256_loadu_ps(xr + c), b = _mm256_loadu_ps(xr + c + 8);
-            s0 = _mm256_fmadd_ps(a, a, s0);
-            s1 = _mm256_fmadd_ps(b, b, s1);
-        }
-        for (; c < cols; c += 8) {
-            __m256 a = _mm256_loadu_ps(xr + c);
-            s0 = _mm256_fmadd_ps(a, a, s0);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(s0, s1)) / (float)cols + eps));
-        for (c = 0; c < cols; c += 8)
-            _mm256_storeu_ps(out + r * cols + c,
-                             _mm256_mul_ps(_mm256_loadu_ps(weight + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), inv)));
+    if (rows <= SHARED_ROWS) {
+        for (int64_t r = 0; r < rows; r++) norm_row_f32(x + r * cols, weight, out + r * cols, cols, eps);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_row_f32(x + r * cols, weight, out + r * cols, cols, eps);
 }
 
 /* out = silu(gate) * up. x: [rows][2 * cols] (gate, then up); out: [rows][cols]. Eight at a
  * time on exp_ps (a 2,048-token prompt of a 0.5B model spent ~4% of its time here on expf). */
-void dolmus_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t cols) {
-#pragma omp parallel for schedule(static) if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * 2 * cols, *up = gate + cols;
-        float *o = out + r * cols;
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) {
-            __m256 g = _mm256_loadu_ps(gate + c);
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
-        }
-        for (; c < cols; c++) o[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+static inline void silu_row_f32(const float *gate, float *o, int64_t cols) {
+    const float *up = gate + cols;
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        __m256 g = _mm256_loadu_ps(gate + c);
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
     }
+    for (; c < cols; c++) o[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+}
+
+void dolmus_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t cols) {
+    if (rows <= 4) {
+        for (int64_t r = 0; r < rows; r++) silu_row_f32(x + r * 2 * cols, out + r * cols, cols);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) silu_row_f32(x + r * 2 * cols, out + r * cols, cols);
 }
 
 /* In place: x = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]).
  * x: [tokens][heads][d] at token stride x_stride; cos, sin: [tokens][d]. d % 16 == 0. */
-void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t tokens,
-                       int64_t heads, int64_t d) {
+static inline void rotary_token_f32(float *x, const float *ct, const float *st, int64_t heads, int64_t d) {
     int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (tokens > 16)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *ct = cos + t * d, *st = sin + t * d;
-        for (int64_t h = 0; h < heads; h++) {
-            float *row = x + t * x_stride + h * d;
-            for (int64_t i = 0; i < half; i += 8) {
-                __m256 a = _mm256_loadu_ps(row + i), b = _mm256_loadu_ps(row + half + i);
-                /* a*cos - b*sin, b*cos + a*sin: each product rounded, then the sum (PyTorch's order) */
-                __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(ct + i)),
-                                          _mm256_mul_ps(b, _mm256_loadu_ps(st + i)));
-                __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(ct + half + i)),
-                                          _mm256_mul_ps(a, _mm256_loadu_ps(st + half + i)));
-                _mm256_storeu_ps(row + i, lo);
-                _mm256_storeu_ps(row + half + i, hi);
-            }
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = x + h * d;
+        for (int64_t i = 0; i < half; i += 8) {
+            __m256 a = _mm256_loadu_ps(row + i), b = _mm256_loadu_ps(row + half + i);
+            /* a*cos - b*sin, b*cos + a*sin: each product rounded, then the sum (PyTorch's order) */
+            __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(ct + i)), _mm256_mul_ps(b, _mm256_loadu_ps(st + i)));
+            __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(ct + half + i)),
+                                      _mm256_mul_ps(a, _mm256_loadu_ps(st + half + i)));
+            _mm256_storeu_ps(row + i, lo);
+            _mm256_storeu_ps(row + half + i, hi);
         }
     }
+}
+
+void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t tokens,
+                       int64_t heads, int64_t d) {
+    if (tokens <= SHARED_ROWS) {
+        for (int64_t t = 0; t < tokens; t++) rotary_token_f32(x + t * x_stride, cos + t * d, sin + t * d, heads, d);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) rotary_token_f32(x + t * x_stride, cos + t * d, sin + t * d, heads, d);
 }
 
 /* Decode attention is split along each sequence's keys (flash decoding): a work item is one
