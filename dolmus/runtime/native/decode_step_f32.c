@@ -133,6 +133,7 @@ int dolmus_model_step_f32(const decoder_f32 *m, const dolmus_step *s, float *out
 /* The index of each row's largest logit, the first where several tie, as PyTorch's max(dim=-1)
  * gives it on float32 rows (a NaN counts as the largest: the first NaN's). */
 void dolmus_argmax_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *argmax) {
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * vocab;
         __m256 top = _mm256_set1_ps(-__builtin_inff()), nan = _mm256_setzero_ps();
