@@ -128,11 +128,9 @@ static void place_row(const dolmus_decoder *m, const dolmus_layer *L, const dolm
  * between the threads: a 0.5B body's 2,048-token prompt spent 42.6 ms here on one thread, 29.2
  * on two (Zen 4; 3.2 -> 2.8 ms at 129 tokens). Not half: the first write into a fresh block of
  * the pool takes a page fault (kv_store.zeros), ~0.7 ms of the 129 tokens' time. A decode step's
- * few rows stay on the calling thread without entering OpenMP at all: a parallel region's `if`
- * that comes out false, called inside team_step's region, still sets up a team of one (~0.75 us
- * a call, every layer of every step). */
+ * few rows stay on the calling thread (kernels.h's SHARED_ROWS). */
 static void place_rows(const dolmus_decoder *m, const dolmus_layer *L, const dolmus_step *s, int64_t rows) {
-    if (rows <= 16) {
+    if (rows <= SHARED_ROWS) {
         for (int64_t t = 0; t < rows; t++) place_row(m, L, s, t);
         return;
     }

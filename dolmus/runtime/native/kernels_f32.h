@@ -6,6 +6,10 @@
 
 #include <stdint.h>
 
+/* Rows up to which a row-wise kernel loops on the calling thread without entering OpenMP, as
+ * kernels.h's SHARED_ROWS (which says why). */
+#define SHARED_ROWS 16
+
 void dolmus_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols, float eps);
 void dolmus_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t cols);
 void dolmus_rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t tokens,

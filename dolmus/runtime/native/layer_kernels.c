@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "bf16_simd.h"
+#include "kernels.h"
 
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)) for one row: transformers' order (statistics
  * in float32, the normalized row rounded to bf16, then the weight). cols % 16 == 0. */
@@ -29,13 +30,6 @@ static inline void norm_row(const uint16_t *x, const uint16_t *weight, uint16_t 
         store_bf16x16(out + c, _mm512_mul_ps(normed, load_bf16x16(weight + c)));
     }
 }
-
-/* Each kernel here shares its rows between the threads only above a size, and below it loops on
- * the calling thread without entering OpenMP: a parallel region whose `if` comes out false still
- * sets up a team of one (~0.75 us a call), and decode_step.c's one-region step calls these a few
- * times a layer from inside its own region. Looping there instead made int4 and int8 decode
- * steps of a 0.5B body 0.7-1.1% shorter (step by step in one process, Zen 4). */
-#define SHARED_ROWS 16
 
 /* RMSNorm of each row (norm_row). */
 void dolmus_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,

@@ -15,11 +15,6 @@
 #include "kernels_f32.h"
 #include "sums_avx2.h"
 
-/* Each kernel here shares its rows between the threads only above a size, and below it loops on
- * the calling thread without entering OpenMP (a parallel region whose `if` comes out false still
- * sets up a team of one; layer_kernels.c measured why it matters inside a one-region step). */
-#define SHARED_ROWS 16
-
 /* out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)). cols % 8 == 0. */
 static inline void norm_row_f32(const float *xr, const float *weight, float *out, int64_t cols, float eps) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
