@@ -41,10 +41,15 @@ class Load:
 
 
 def start_peer(
-    name: str, cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None
+    name: str,
+    cmd: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    health_path: str = "/health",
 ) -> tuple[subprocess.Popen, str]:
     """Start a peer's OpenAI-compatible server: `cmd` with "{port}" filled in with a free port;
-    return the process and its /v1 URL once /health answers (or kill it and raise)."""
+    return the process and its /v1 URL once `health_path` answers (or kill it and raise)."""
     port = free_port()
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
@@ -56,7 +61,7 @@ def start_peer(
     if log:
         out.close()  # the child holds its own copy
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, name)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, name, health_path)
     except RuntimeError:
         proc.kill()
         raise

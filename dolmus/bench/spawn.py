@@ -20,14 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str) -> None:
-    """Return once `url`/health answers 200; raise if `proc` exits first or time runs out."""
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, path: str = "/health") -> None:
+    """Return once `url` + `path` answers 200 (a server without /health: its model list);
+    raise if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with status {proc.returncode} while starting")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
