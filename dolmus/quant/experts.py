@@ -58,8 +58,9 @@ class KernelMatrix(ExpertMatrix):
 
 @dataclass
 class GroupedInt8Matrix(ExpertMatrix):
-    """GGUF blocks as bytes with a bf16 scale (and zero) per group, on quant_kernels.c's
-    grouped int8 kernel (bf16 on AVX-512 BF16), as gguf_blocks.GroupedInt8Method runs them."""
+    """GGUF blocks as bytes with a bf16 scale (and zero) per group, on quant_kernels.c's grouped
+    int8 kernel (bf16 activations, on AVX-512 BF16 CPUs), as gguf_blocks.GroupedInt8Method runs
+    them."""
 
     state: GroupedInt8State
 

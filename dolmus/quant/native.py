@@ -1,8 +1,9 @@
 """Wrappers of our int8/int4 weight-only kernels (runtime/native/int8_kernels.c, quant_kernels.c).
 
-They take bf16 activations (the CPU run dtype) and return bf16. The int4 and grouped int8
-kernels multiply with AVX-512 BF16 dot products, the int8 one (a scale per output row) with
-VNNI's integer dot products on the activations as 15-bit integers. int4 stays within ~1.2x of
+They take bf16 activations (the CPU run dtype) and return bf16. The int4 kernel multiplies with
+AVX-512 BF16 dot products, the int8 one (a scale per output row) and the grouped int8 one (a scale
+per group of inputs) with VNNI's integer dot products on the activations as 15-bit integers.
+int4 stays within ~1.2x of
 PyTorch's bf16 GEMM even at 128 rows, so every batch uses it; int8 takes any number of rows,
 but on CPUs with AMX hands more than INT8_AMX_MAX_KERNEL_ROWS (prefill chunks) to PyTorch's
 GEMM on weights dequantized a chunk at a time. On CPUs with AMX, int4 and grouped int8
@@ -19,7 +20,9 @@ from dolmus.runtime.native import amx_ready, library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
 INT8_AMX_MAX_KERNEL_ROWS = 128  # on AMX, above this many rows int8 dequantizes for PyTorch's GEMM
-INT8G_MAX_KERNEL_ROWS = 128  # the same for grouped int8 (measured: dequantize + GEMM wins above)
+# the same for grouped int8 without AMX (on a Zen 4 the kernel against dequantize + GEMM: 1.0x at
+# 128 rows, 0.85x at 256)
+INT8G_MAX_KERNEL_ROWS = 128
 DEQUANT_CHUNK_ROWS = 4096  # rows dequantized at a time on that path (bounded scratch memory)
 
 

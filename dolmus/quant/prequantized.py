@@ -9,7 +9,7 @@ and state. Kernels, in order of preference:
 - the int4 kernel of kernels.py's table where it takes checkpoint codes (AVX-512 bf16 on the
   CPU, Triton on a GPU): `Int4Codes`, and 4-bit GGUF blocks converted to them;
 - for the other GGUF blocks in bf16 layers, quant_kernels.c's grouped int8 kernel (AVX-512
-  BF16), the codes widened to bytes (gguf_blocks.GroupedInt8Method);
+  VNNI), the codes widened to bytes (gguf_blocks.GroupedInt8Method);
 - else block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
 A Mixture-of-Experts layer's GGUF expert blocks (kept by FusedExperts as they load) take the same
 kernels per expert matrix (quant/experts.py), or become float weights where none runs.

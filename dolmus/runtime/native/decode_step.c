@@ -190,7 +190,7 @@ static void team_prep(const dolmus_linear *l, const uint16_t *x, int64_t rows, v
         group_sums_into(x, rows, l->k, l->group, ws);
         return;
     case LINEAR_INT8_GROUPS:
-        if (l->zero) group_sums_into(x, rows, l->k, l->group, ws);
+        int8g_prep(x, rows, l->k, l->group, l->zero != NULL, ws);
         return;
     default:
         team_bf16_prep(x, rows, l->k, ws);
@@ -211,7 +211,7 @@ static void team_product(const dolmus_linear *l, const uint16_t *x, uint16_t *y,
         team_int4_run(x, ws, l->packed, l->scale, l->zero, y, rows, l->n, l->k, l->group, split, t, T);
         break;
     case LINEAR_INT8_GROUPS:
-        team_int8g_run(x, ws, l->packed, l->scale, l->zero, y, rows, l->n, l->k, l->group, split, t, T);
+        team_int8g_run(ws, l->packed, l->scale, l->zero, y, rows, l->n, l->k, l->group, split, t, T);
         break;
     default:
         team_bf16_run(x, ws, l->packed, l->bias, y, rows, l->n, l->k, l->gated, split, t, T);

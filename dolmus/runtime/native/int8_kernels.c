@@ -55,16 +55,10 @@
 typedef int v16si __attribute__((vector_size(64))); /* GCC keeps arrays of these in registers (of
                                                         __m512i, cast per call, it did not) */
 
-/* One row of activations as the kernel reads them. */
-typedef struct {
-    const int8_t *h, *l; /* [kq] bytes each (K rounded up to 16, zero past K) */
-    int32_t corr_h, corr_l; /* 128 sum h, 128 sum l */
-    float s;                /* x = s x16; NaN when the row holds an inf or NaN */
-} int8_row;
 _Static_assert(sizeof(int8_row) <= 64, "team_int8_prep keeps TEAM_ROWS of them in 64-byte slots");
 
-/* Row x [K] -> h, l [kq] and the row's sums and scale (see the header). */
-static void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row) {
+/* Row x [K] -> h, l [kq] and the row's sums and scale (see the header; kernels.h). */
+void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row) {
     __m512i top = _mm512_setzero_si512();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) /* bf16 magnitudes order as their bits do */

@@ -37,6 +37,15 @@ void dolmus_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *
                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
 void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group);
+
+/* One row of activations as the VNNI kernels read them (int8_kernels.c's header): x = s x16, x16 =
+ * 256 h + l, h and l signed bytes. */
+typedef struct {
+    const int8_t *h, *l; /* [kq] bytes each (K rounded up to 16, zero past K) */
+    int32_t corr_h, corr_l; /* 128 sum h, 128 sum l */
+    float s;                /* x = s x16; NaN when the row holds an inf or NaN */
+} int8_row;
+void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row);
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int64_t gated);
 /* the tile-packed product on AMX where granted, else AVX-512 BF16 (bf16_gemm_avx512.c) */
@@ -55,8 +64,8 @@ void dolmus_quant_gemm_amx(const uint16_t *x, const void *packed, const uint16_t
  * for the product's panels, and after a barrier every thread runs. The same blocks, the same
  * bits, as the calls above. At most TEAM_ROWS rows. */
 #define TEAM_ROWS 4
-static inline size_t team_scratch_bytes(int64_t K) {
-    return (size_t)TEAM_ROWS * (64 + 2 * (size_t)((K + 63) / 64 * 64));
+static inline size_t team_scratch_bytes(int64_t K) { /* the grouped int8 prep's, the largest (groups of 16) */
+    return (size_t)TEAM_ROWS * (64 + 2 * (size_t)((K + 63) / 64 * 64) + 8 * (size_t)((K + 15) / 16));
 }
 void team_int8_prep(const uint16_t *x, int64_t M, int64_t K, void *ws);
 void team_int8_run(const void *ws, const uint8_t *packed, const float *scale, uint16_t *y, int64_t M,
@@ -66,7 +75,9 @@ void group_sums_into(const uint16_t *x, int64_t M, int64_t K, int64_t group, flo
 void team_int4_run(const uint16_t *x, const float *xsum, const uint8_t *packed, const uint16_t *scale,
                    const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
                    panel_split *split, int t, int T);
-void team_int8g_run(const uint16_t *x, const float *xsum, const int8_t *packed, const uint16_t *scale,
+/* the grouped int8 kernel's activations into ws (its prep; zeros: whether the weight has them) */
+void int8g_prep(const uint16_t *x, int64_t M, int64_t K, int64_t group, int zeros, void *ws);
+void team_int8g_run(const void *ws, const int8_t *packed, const uint16_t *scale,
                     const uint16_t *zero, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group,
                     panel_split *split, int t, int T);
 /* whether dolmus_bf16_gemm runs on AMX tiles here (no team form) */
