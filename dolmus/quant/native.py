@@ -20,9 +20,9 @@ from dolmus.runtime.native import amx_ready, library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
 INT8_AMX_MAX_KERNEL_ROWS = 128  # on AMX, above this many rows int8 dequantizes for PyTorch's GEMM
-# the same for grouped int8 without AMX (on a Zen 4 the kernel against dequantize + GEMM: 1.0x at
-# 128 rows, 0.85x at 256)
-INT8G_MAX_KERNEL_ROWS = 128
+# the same for grouped int8 without AMX (on a Zen 4 the kernel against dequantize + GEMM: 1.2-1.3x
+# at 64-128 rows, 1.0x at 512-1024, 0.93x at 2048)
+INT8G_MAX_KERNEL_ROWS = 512
 DEQUANT_CHUNK_ROWS = 4096  # rows dequantized at a time on that path (bounded scratch memory)
 
 

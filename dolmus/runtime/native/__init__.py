@@ -2,13 +2,14 @@
 
 `library()`, for CPUs with AVX-512 (BF16) and bf16 models:
 - int8_kernels.c: int8 weight-only products (one scale per output row) on VNNI's integer dot
-  products, quant_kernels.c: int4 and grouped int8 ones (dolmus/quant/native.py wraps them);
+  products, int8g_kernels.c: grouped int8 ones (a scale per group of inputs: GGUF's 8-bit
+  blocks) on the same, quant_kernels.c: int4 ones (dolmus/quant/native.py wraps them);
 - layer_kernels.c: RMSNorm (alone or after the residual add), rotary embedding and
   SiLU-and-multiply (layers/norm.py, models/llama.py);
 - decode_attention.c: decode attention over the paged KV cache (attention/native_cpu.py);
 - bf16_gemm.c: bf16 linear layers on AMX tiles, where the CPU has AMX (bf16_gemm.py);
 - quant_amx.c: int4 and grouped int8 weights at several rows on AMX tiles (called by
-  quant_kernels.c's products);
+  quant_kernels.c's and int8g_kernels.c's products);
 - decode_step.c: a whole step of a Llama-family model (decodes, and prompt chunks with them),
   those kernels back to back (decode_step.py, runtime/models/llama_decode.py);
 - prefill_attention.c: prompt chunks' attention over the paged KV cache, on AMX tiles or on
@@ -77,6 +78,7 @@ _AVX512 = _Spec(
     (
         "int8_kernels.c",
         "quant_kernels.c",
+        "int8g_kernels.c",
         "layer_kernels.c",
         "decode_attention.c",
         "bf16_gemm.c",

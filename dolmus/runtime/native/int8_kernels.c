@@ -57,8 +57,9 @@ typedef int v16si __attribute__((vector_size(64))); /* GCC keeps arrays of these
 
 _Static_assert(sizeof(int8_row) <= 64, "team_int8_prep keeps TEAM_ROWS of them in 64-byte slots");
 
-/* Row x [K] -> h, l [kq] and the row's sums and scale (see the header; kernels.h). */
-void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row) {
+/* The power of two s with x = s x16 for row x [K] (see the header): *mul = 1 / s, and 0 when the
+ * row holds an inf or a NaN (its outputs are then NaN, as a float product's would be). */
+static int row_scale(const uint16_t *x, int64_t K, float *mul, float *s) {
     __m512i top = _mm512_setzero_si512();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) /* bf16 magnitudes order as their bits do */
@@ -70,25 +71,38 @@ void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, i
     _mm512_storeu_si512((void *)lanes, top);
     for (int i = 0; i < 32; i++) largest = lanes[i] > largest ? lanes[i] : largest;
     int e = largest >> 7; /* the largest's biased exponent: max |x| < 2^(e - 126) */
-    row->h = h;
-    row->l = l;
-    if (e == 255) { /* inf or NaN: the row's outputs are NaN, as a float product's would be */
-        memset(h, 0, (size_t)kq);
-        memset(l, 0, (size_t)kq);
-        row->corr_h = row->corr_l = 0;
-        row->s = __builtin_nanf("");
-        return;
+    if (e == 255) {
+        *s = __builtin_nanf("");
+        return 0;
     }
     if (e < 14) e = 14; /* rows below 2^-112 (zero included): s stays a normal float */
     uint32_t mul_bits = (uint32_t)(267 - e) << 23, s_bits = (uint32_t)(e - 13) << 23; /* 2^(140 - e), 2^(e - 140) */
+    memcpy(mul, &mul_bits, sizeof *mul);
+    memcpy(s, &s_bits, sizeof *s);
+    return 1;
+}
+
+/* Inputs [k, k + 16) of row x as x16 (16 int32 lanes; zero past K). */
+static inline __m512i x16_of(const uint16_t *x, int64_t K, int64_t k, float mul) {
+    __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(K - k), x + k);
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(mul))); /* exact product, rounded to even */
+}
+
+/* Row x [K] -> h, l [kq] and the row's sums and scale (see the header; kernels.h). */
+void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row) {
     float mul;
-    memcpy(&mul, &mul_bits, sizeof mul);
-    memcpy(&row->s, &s_bits, sizeof row->s);
+    row->h = h;
+    row->l = l;
+    if (!row_scale(x, K, &mul, &row->s)) {
+        memset(h, 0, (size_t)kq);
+        memset(l, 0, (size_t)kq);
+        row->corr_h = row->corr_l = 0;
+        return;
+    }
     __m512i sum_h = _mm512_setzero_si512(), sum_l = _mm512_setzero_si512();
-    for (k = 0; k < kq; k += 16) {
-        __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(K - k), x + k);
-        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(mul))); /* exact product, rounded to even */
+    for (int64_t k = 0; k < kq; k += 16) {
+        __m512i q = x16_of(x, K, k, mul);
         __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
         __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
         sum_h = _mm512_add_epi32(sum_h, hi);
@@ -98,6 +112,17 @@ void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, i
     }
     row->corr_h = 128 * _mm512_reduce_add_epi32(sum_h);
     row->corr_l = 128 * _mm512_reduce_add_epi32(sum_l);
+}
+
+/* Row x [K] -> x16 [kq] as 16-bit integers (|x16| < 2^14), and s (kernels.h). */
+float x16_row(const uint16_t *x, int64_t K, int64_t kq, int16_t *out) {
+    float mul, s;
+    if (!row_scale(x, K, &mul, &s)) {
+        memset(out, 0, sizeof(int16_t) * (size_t)kq);
+        return s;
+    }
+    for (int64_t k = 0; k < kq; k += 16) _mm256_storeu_si256((__m256i *)(out + k), _mm512_cvtepi32_epi16(x16_of(x, K, k, mul)));
+    return s;
 }
 
 enum { ASK_NOTHING, ASK_STREAM, ASK_AHEAD }; /* block_rows' requests for the lines ahead */

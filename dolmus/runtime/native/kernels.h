@@ -1,6 +1,6 @@
 /* The kernels of the AVX-512 library that its sources call in each other (defined in
- * layer_kernels.c, decode_attention.c, prefill_attention.c,
- * quant_kernels.c, bf16_gemm.c and quant_amx.c). */
+ * layer_kernels.c, decode_attention.c, prefill_attention.c, int8_kernels.c,
+ * quant_kernels.c, int8g_kernels.c, bf16_gemm.c and quant_amx.c). */
 #ifndef DOLMUS_KERNELS_H
 #define DOLMUS_KERNELS_H
 
@@ -46,6 +46,8 @@ typedef struct {
     float s;                /* x = s x16; NaN when the row holds an inf or NaN */
 } int8_row;
 void split_row(const uint16_t *x, int64_t K, int64_t kq, int8_t *h, int8_t *l, int8_row *row);
+/* the same x16 as 16-bit integers [kq] (zero past K); returns s */
+float x16_row(const uint16_t *x, int64_t K, int64_t kq, int16_t *out);
 void dolmus_bf16_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int64_t gated);
 /* the tile-packed product on AMX where granted, else AVX-512 BF16 (bf16_gemm_avx512.c) */
