@@ -113,7 +113,7 @@ void int8g_prep(const uint16_t *x, int64_t M, int64_t K, int64_t group, int zero
 /* Bytes: rows [m0, m0 + R) of a times block pb -> outputs [64 b, 64 b + 64) of their y rows. R
  * is a constant at each call, so the sums stay in registers (R = 2: 16 integer sums, 8 totals);
  * the loop over a group's quads is not unrolled (its loads see one line after another). `ask`:
- * prefetch.h's requests for the lines ahead (BLOCK_ASKING_FOR_ROWS). */
+ * prefetch.h's requests for the lines ahead (int8g_block). */
 static inline __attribute__((always_inline)) void bytes_pass(const int8_t *pb, const int8g_rows *a, int64_t m0,
                                                                 const int R, const uint16_t *scale,
                                                                 const uint16_t *zero, uint16_t *y, int64_t N,

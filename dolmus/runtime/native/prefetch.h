@@ -34,10 +34,10 @@
 /* One row's weight stream, the kernels' decode at one user. Without AMX (tuned on a Zen 4, each
  * form against the other step by step in one process; the kernels' comments give the figures):
  * bf16 panels and per-row int8 codes, read in the order they lie, also ask for each line
- * ONE_ROW_AHEAD bytes on into L2; int4 and grouped int8 blocks, whose unpacking takes long enough
- * a line that the cores' prefetchers keep up, ask for nothing (ONE_ROW_STREAM 0). AMX hosts, not
- * measured since, keep what they had: no request ahead for bf16 and int8, prefetch_stream for the
- * blocks. */
+ * ONE_ROW_AHEAD bytes on into L2; int4 blocks, whose unpacking takes long enough a line that the
+ * cores' prefetchers keep up, ask for nothing (ONE_ROW_STREAM 0); grouped int8 blocks take
+ * prefetch_stream everywhere (int8g_kernels.c). AMX hosts, not measured since, keep what they
+ * had: no request ahead for bf16 and int8, prefetch_stream for the blocks. */
 #if defined(__AMX_TILE__)
 #define ONE_ROW_AHEAD 0
 #define ONE_ROW_STREAM 1

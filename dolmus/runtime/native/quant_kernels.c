@@ -127,8 +127,9 @@ static inline __attribute__((always_inline)) void int4_block_asking(const uint16
  * enough a line that the cores' prefetchers keep up, and the requests only cost. With and without
  * them taking turns step by step in one process (a 0.5B body's decode, 2,000-2,500 steps a run,
  * Zen 4): int4 steps 2.3-3% shorter without, and 2-7% shorter than with each line asked for 2 KB
- * ahead (seq_steps' request); grouped int8 (GGUF Q8_0) 1.2-5% and ~5%. At 2 and 4 rows the
- * requests are worth 0.1-0.6%, and stay. `ask` is a constant at each call, so each form's loop is
+ * ahead (seq_steps' request); the grouped int8 kernel's bf16 form went the same way (its integer
+ * form reads faster asking: int8g_kernels.c). At 2 and 4 rows the requests are worth 0.1-0.6%,
+ * and stay. `ask` is a constant at each call, so each form's loop is
  * its own. */
 #define BLOCK_ASKING_FOR_ROWS(block, M, ...)    \
     do {                                        \
