@@ -272,6 +272,7 @@ static void int8g_block(const int8g_rows *a, const int8_t *packed, const uint16_
 /* y[M][N] = x[M][K] times the packed grouped int8 weight (the header). */
 void dolmus_int8g_gemm(const uint16_t *x, const int8_t *packed, const uint16_t *scale, const uint16_t *zero,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t group) {
+    if (M <= 0) return;
     if (dolmus_amx_quant_usable(M, K, group, 8)) { /* several rows: on AMX tiles (quant_amx.c) */
         dolmus_quant_gemm_amx(x, packed, scale, zero, y, M, N, K, group, 8);
         return;
