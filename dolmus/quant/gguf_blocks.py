@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dolmus.quant.native import INT8G_MAX_KERNEL_ROWS, int8_group_matmul, pack_int8_groups
+from dolmus.quant.native import int8_group_matmul, pack_int8_groups
 from dolmus.runtime import native
 from dolmus.runtime.layers.linear import Linear
 from dolmus.runtime.layers.linear_method import (
@@ -239,7 +239,7 @@ def _drop_float_weight(layer: Linear) -> None:
 
 @dataclass
 class GroupedInt8State(LinearState):
-    """8-bit blocks packed for quant_kernels.c's grouped int8 kernel (quant/native.py)."""
+    """8-bit blocks packed for int8g_kernels.c's grouped int8 kernel (quant/native.py)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -274,7 +274,6 @@ class GroupedInt8Method(LinearMethod):
             zero=state.zero,
             bias=layer.bias,
             group=state.group,
-            max_rows=None if native.amx_ready() else INT8G_MAX_KERNEL_ROWS,
         )
 
 

@@ -1,14 +1,15 @@
-"""Wrappers of our int8/int4 weight-only kernels (runtime/native/int8_kernels.c, quant_kernels.c).
+"""Wrappers of our int8/int4 weight-only kernels (runtime/native/int8_kernels.c, quant_kernels.c,
+int8g_kernels.c).
 
 They take bf16 activations (the CPU run dtype) and return bf16. The int4 kernel multiplies with
 AVX-512 BF16 dot products, the int8 one (a scale per output row) and the grouped int8 one (a scale
 per group of inputs) with VNNI's integer dot products on the activations as 15-bit integers.
-int4 stays within ~1.2x of
-PyTorch's bf16 GEMM even at 128 rows, so every batch uses it; int8 takes any number of rows,
-but on CPUs with AMX hands more than INT8_AMX_MAX_KERNEL_ROWS (prefill chunks) to PyTorch's
-GEMM on weights dequantized a chunk at a time. On CPUs with AMX, int4 and grouped int8
-products of 4 rows or more run on AMX tiles instead (quant_amx.c: each panel dequantized to
-bf16 once per call; 5x faster at 32 rows on SmolLM2's layers), at any number of rows.
+Every kernel takes any number of rows, and without AMX a row's result is the same whatever rows
+share the call (a prompt's token and the same token decoded get the same bits). int8 on CPUs with
+AMX hands more than INT8_AMX_MAX_KERNEL_ROWS (prefill chunks) to PyTorch's GEMM on weights
+dequantized a chunk at a time; int4 and grouped int8 products of several rows there dequantize
+each panel of 32 outputs to bf16 once per call and multiply it on AMX tiles (quant_amx.c; 5x
+faster at 32 rows on SmolLM2's layers).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from dolmus.runtime.native import amx_ready, library
 
 BLOCK = 64  # output rows per packed block (quant_kernels.c)
 INT8_AMX_MAX_KERNEL_ROWS = 128  # on AMX, above this many rows int8 dequantizes for PyTorch's GEMM
-# the same for grouped int8 without AMX (on a Zen 4 the kernel against dequantize + GEMM: 1.2-1.3x
-# at 64-128 rows, 1.0x at 512-1024, 0.93x at 2048)
-INT8G_MAX_KERNEL_ROWS = 512
 DEQUANT_CHUNK_ROWS = 4096  # rows dequantized at a time on that path (bounded scratch memory)
 
 
@@ -164,25 +162,13 @@ def int8_group_matmul(
     n: int,
     group: int,
 ) -> torch.Tensor:
-    """x [M, K] bf16 times the packed grouped int8 weight -> [M, N] bf16. Above
-    INT8G_MAX_KERNEL_ROWS rows (long prefill chunks), PyTorch's bf16 GEMM on weight blocks
-    dequantized (transposed) a chunk at a time."""
-    lib = library()
+    """x [M, K] bf16 times the packed grouped int8 weight -> [M, N] bf16, any number of rows
+    (long prompt chunks on dequantized panels: AMX tiles, or vdpbf16ps without AMX)."""
     zero_ptr = _ptr(zero) if zero is not None else None
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    if m <= INT8G_MAX_KERNEL_ROWS or amx_ready():  # on AMX the kernel dequantizes tiles itself
-        lib.dolmus_int8g_gemm(_ptr(x), _ptr(packed), _ptr(scale), zero_ptr, _ptr(y), m, n, k, group)
-        return y
-    npad = packed.shape[0] * BLOCK
-    scratch = torch.empty(k, min(npad, DEQUANT_CHUNK_ROWS), dtype=torch.bfloat16)
-    for n0 in range(0, npad, DEQUANT_CHUNK_ROWS):
-        n1 = min(npad, n0 + DEQUANT_CHUNK_ROWS)
-        wt = scratch[:, : n1 - n0]
-        lib.dolmus_int8g_dequant_t(_ptr(packed), _ptr(scale), zero_ptr, _ptr(wt), n0, n1, k, n, group)
-        cols = min(n, n1) - n0
-        y[:, n0 : n0 + cols] = torch.matmul(x, wt[:, :cols])
+    library().dolmus_int8g_gemm(_ptr(x), _ptr(packed), _ptr(scale), zero_ptr, _ptr(y), m, n, k, group)
     return y
 
 

@@ -94,8 +94,6 @@ _AVX512 = _Spec(
         "dolmus_int8_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64],
         # (x, packed, scale, zero or NULL, y, M, N, K, group)
         "dolmus_int8g_gemm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
-        # (packed, scale, zero or NULL, out [K][n1 - n0], n0, n1, K, N, group)
-        "dolmus_int8g_dequant_t": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
         "dolmus_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
         # (x, residual (updated in place), weight, out, rows, cols, eps)
         "dolmus_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],

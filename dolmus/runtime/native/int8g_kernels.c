@@ -293,23 +293,3 @@ void team_int8g_run(const void *ws, const int8_t *packed, const uint16_t *scale,
     for (int64_t b; (b = split_take(split, t, T)) >= 0;)
         int8g_block(&a, packed, scale, zero, y, M, N, K, group, b);
 }
-
-/* Outputs [n0, n1) of a grouped int8 weight as bf16, transposed: out[K][n1 - n0] (prefill
- * chunks multiply it with PyTorch's bf16 GEMM). n0 and n1 - n0 multiples of 64 (whole blocks),
- * so each input's 64 codes of a block, its scales and zeros are contiguous. */
-void dolmus_int8g_dequant_t(const int8_t *packed, const uint16_t *scale, const uint16_t *zero, uint16_t *out,
-                            int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t group) {
-    int64_t npad = (N + 63) / 64 * 64, width = n1 - n0;
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < K; k++) {
-        int64_t g = k / group;
-        for (int64_t n = n0; n < n1; n += 64) {
-            const int8_t *c = packed + (n / 64) * K * 64 + k * 64;
-            for (int j = 0; j < 4; j++) {
-                __m512 v = _mm512_mul_ps(int8x16_to_ps(c + 16 * j), load_bf16x16(scale + g * npad + n + 16 * j));
-                if (zero) v = _mm512_add_ps(v, load_bf16x16(zero + g * npad + n + 16 * j));
-                _mm256_storeu_si256((__m256i *)(out + k * width + (n - n0) + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
-            }
-        }
-    }
-}
