@@ -58,7 +58,7 @@ class KernelMatrix(ExpertMatrix):
 
 @dataclass
 class GroupedInt8Matrix(ExpertMatrix):
-    """GGUF blocks as bytes with a bf16 scale (and zero) per group, on quant_kernels.c's grouped
+    """GGUF blocks as bytes with a bf16 scale (and zero) per group, on int8g_kernels.c's grouped
     int8 kernel (bf16 activations, on AVX-512 BF16 CPUs), as gguf_blocks.GroupedInt8Method runs
     them."""
 

@@ -8,7 +8,7 @@ method, which may quantize it again on load. Either way the layer ends with its 
 and state. Kernels, in order of preference:
 - the int4 kernel of kernels.py's table where it takes checkpoint codes (AVX-512 bf16 on the
   CPU, Triton on a GPU): `Int4Codes`, and 4-bit GGUF blocks converted to them;
-- for the other GGUF blocks in bf16 layers, quant_kernels.c's grouped int8 kernel (AVX-512
+- for the other GGUF blocks in bf16 layers, int8g_kernels.c's grouped int8 kernel (AVX-512
   VNNI), the codes widened to bytes (gguf_blocks.GroupedInt8Method);
 - else block_kernels.c (AVX2, float32 activations) through gguf_blocks.py.
 A Mixture-of-Experts layer's GGUF expert blocks (kept by FusedExperts as they load) take the same

@@ -250,15 +250,7 @@ static void int8g_block(const int8g_rows *a, const int8_t *packed, const uint16_
      * asked for ahead as the int4 kernel does: decode steps taking turns with and without, one
      * sequence, on a Zen 4: Q8_0 body 6% shorter where the host gave ~60 GB/s and 2% at ~33, Q5_K_M
      * (zeros too) 4-7% at ~33; eight sequences 1.7% */
-    if (b + 1 < blocks)
-        for (int64_t g = 0; g < groups; g++) {
-            const char *sa = (const char *)(scale + g * npad + (b + 1) * 64);
-            _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
-            if (zero) {
-                const char *za = (const char *)(zero + g * npad + (b + 1) * 64);
-                _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
-            }
-        }
+    if (b + 1 < blocks) prefetch_block_scales(scale, zero, groups, npad, (b + 1) * 64);
     if (M <= BYTE_ROWS) {
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             if (M - m0 == 1)

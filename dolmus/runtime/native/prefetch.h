@@ -13,6 +13,7 @@
 #ifndef DOLMUS_PREFETCH_H
 #define DOLMUS_PREFETCH_H
 
+#include <stdint.h>
 #include <immintrin.h>
 
 #if defined(__AMX_TILE__)
@@ -51,6 +52,20 @@ static inline void prefetch_stream(const void *at, int lines) {
     for (int i = 0; i < lines; i++) {
         _mm_prefetch((const char *)at + PREFETCH_FAR + 64 * i, _MM_HINT_T1);
         _mm_prefetch((const char *)at + PREFETCH_NEAR + 64 * i, _MM_HINT_T0);
+    }
+}
+
+/* The int4 and grouped int8 blocks' scales and zeros (bf16 [groups][npad], zero NULL for none):
+ * ask for the 64 of outputs [n0, n0 + 64), a line pair in each group's row, before their block. */
+static inline void prefetch_block_scales(const uint16_t *scale, const uint16_t *zero, int64_t groups, int64_t npad,
+                                         int64_t n0) {
+    for (int64_t g = 0; g < groups; g++) {
+        const char *sa = (const char *)(scale + g * npad + n0);
+        _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
+        if (zero) {
+            const char *za = (const char *)(zero + g * npad + n0);
+            _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-/* int4 and grouped int8 weights (quant_kernels.c's layouts) times several activation rows on
- * AMX tiles.
+/* int4 and grouped int8 weights (quant_kernels.c's and int8g_kernels.c's layouts) times several
+ * activation rows on AMX tiles.
  *
  * quant_kernels.c's products multiply every weight with every row through AVX-512 BF16 dot
  * products: at one row that streams at the read bandwidth, but the work grows with the rows

@@ -76,15 +76,7 @@ static inline __attribute__((always_inline)) void int4_block_asking(const uint16
      * apart), asked for ahead: 2-8% at one row. Skipping their reads altogether made the
      * product ~28% faster, but that is their bytes: a block-major layout (one stream)
      * measured the same as this one. */
-    if (b + 1 < blocks)
-        for (int64_t g = 0; g < groups; g++) {
-            const char *sa = (const char *)(scale + g * npad + (b + 1) * 64);
-            _mm_prefetch(sa, _MM_HINT_T1), _mm_prefetch(sa + 64, _MM_HINT_T1);
-            if (zero) {
-                const char *za = (const char *)(zero + g * npad + (b + 1) * 64);
-                _mm_prefetch(za, _MM_HINT_T1), _mm_prefetch(za + 64, _MM_HINT_T1);
-            }
-        }
+    if (b + 1 < blocks) prefetch_block_scales(scale, zero, groups, npad, (b + 1) * 64);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         int64_t rows = M - m0 < MR ? M - m0 : MR;
         __m512 total[MR][4];
