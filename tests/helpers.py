@@ -101,6 +101,24 @@ def run_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | None
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params or greedy())]
 
 
+def assert_greedy_agrees_up_to_near_ties(a: LLM, b: LLM, prompts: list[list[int]], tol: float = 0.05) -> None:
+    """Greedy tokens of two engines whose products sum in different orders (two kernels for the
+    same weights): the same, or the same up to a step whose two picks are a near-tie (within
+    `tol` nats of each other in both engines' next-token distributions, read back over the
+    common text), after which the continuations may part."""
+    for prompt, x, y in zip(prompts, run_tokens(a, prompts), run_tokens(b, prompts)):
+        assert len(x) == len(y), (x, y)
+        parted = [i for i, (u, v) in enumerate(zip(x, y)) if u != v]
+        if not parted:
+            continue
+        i = parted[0]
+        text = prompt + x[: i + 1]
+        for llm in (a, b):
+            row = llm.engine.prompt_logprobs(text)[len(prompt) + i - 1].float()
+            gap = abs(float(row[x[i]] - row[y[i]]))
+            assert gap <= tol, f"token {i}: {x[i]} against {y[i]} is no near-tie ({gap:.3f} nats)"
+
+
 # Byte offsets of each GGUF block type's fp16 scale fields, and (bytes, inputs) per block.
 GGUF_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 GGUF_K_BLOCKS = {

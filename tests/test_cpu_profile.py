@@ -31,8 +31,8 @@ def test_levels_from_flags() -> None:
     assert detect_level(avx2 | {"amx_tile", "amx_bf16"}) == "avx2"  # a level needs those below it
 
 
-def _run(script: str, isa: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DOLMUS_CPU_ISA": isa}
+def _run(script: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_vars}
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
@@ -85,16 +85,16 @@ CAPPED = textwrap.dedent(
 def test_a_capped_level_runs_its_own_path(isa: str, tmp_path: Path) -> None:
     if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index(isa) or HERE.detected == "none":
         pytest.skip(f"this CPU has no {isa} level")
-    proc = _run(CAPPED.format(tests=str(TESTS), isa=isa, root=str(tmp_path)), isa)
+    proc = _run(CAPPED.format(tests=str(TESTS), isa=isa, root=str(tmp_path)), DOLMUS_CPU_ISA=isa)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
 def test_a_cap_above_the_cpu_or_unknown_is_refused() -> None:
     script = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
-    proc = _run(script, "sse9")
+    proc = _run(script, DOLMUS_CPU_ISA="sse9")
     assert proc.returncode != 0 and "DOLMUS_CPU_ISA must be one of" in proc.stderr
     if HERE.detected != "amx":
-        proc = _run(script, "amx")
+        proc = _run(script, DOLMUS_CPU_ISA="amx")
         assert proc.returncode != 0 and f"up to {HERE.detected} only" in proc.stderr
 
 
@@ -104,8 +104,10 @@ def test_profile_facts() -> None:
     assert "kernels at" in HERE.summary() and "flags" not in HERE.as_dict()
 
 
-def _suite_under(isa: str, files: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DOLMUS_CPU_ISA": isa}
+def _suite_under(isa: str | None, files: list[str], **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_vars}
+    if isa:
+        env["DOLMUS_CPU_ISA"] = isa
     command = [
         sys.executable,
         "-m",
@@ -145,11 +147,59 @@ def test_the_avx512_paths_on_an_amx_cpu() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
-@pytest.mark.parametrize("march", ["sapphirerapids", "cooperlake"])
-def test_the_avx512_library_compiles_with_and_without_amx(march: str) -> None:
+EMULATED = textwrap.dedent(
+    """
+    from dolmus.runtime import native
+    from dolmus.runtime.cpu_profile import cpu_profile
+
+    profile = cpu_profile()
+    assert profile.isa == "amx" and profile.amx_emulated, profile
+    assert "-DDOLMUS_AMX_EMULATE" in profile.compile_flags and "emulated" in profile.summary()
+    assert native.amx_ready() and native.tile_gemm_ready()
+    print("ok")
+    """
+)
+
+
+def test_the_amx_paths_on_the_tiles_model_where_there_is_no_amx() -> None:
+    """Without an AMX host the tile paths (bf16 products, prompt attention, quantized products at
+    several rows) would go untested until one is lent; DOLMUS_AMX_EMULATE=1 builds them on the
+    tiles' software model (native/amx_tiles.h) and their tests run against the same references."""
+    if HERE.detected != "avx512":
+        pytest.skip("the model runs on an AVX-512 BF16 CPU without AMX; an AMX CPU runs the tiles")
+    proc = _run(EMULATED, DOLMUS_AMX_EMULATE="1")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+    proc = _suite_under(
+        None,
+        [
+            "test_bf16_gemm.py",
+            "test_native_kernels.py",
+            "test_fused_decode.py",
+            "test_quant_kernels.py",
+            "test_gguf_blocks.py",
+        ],
+        DOLMUS_AMX_EMULATE="1",
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "on AMX the tiles are always taken" in proc.stdout, proc.stdout[-2000:]  # it ran on the tiles
+
+
+def test_the_tiles_model_is_refused_where_it_does_not_apply() -> None:
+    if HERE.detected == "avx512":
+        pytest.skip("this CPU takes the model")
+    script = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
+    proc = _run(script, DOLMUS_AMX_EMULATE="1")
+    assert proc.returncode != 0 and "DOLMUS_AMX_EMULATE=1 models AMX" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "march, defines", [("sapphirerapids", []), ("cooperlake", []), ("cooperlake", ["-DDOLMUS_AMX_EMULATE"])]
+)
+def test_the_avx512_library_compiles_with_and_without_amx(march: str, defines: list[str]) -> None:
     """Its sources share headers whose AMX parts exist only in AMX builds: a name clash there
     (a second `block_steps`) broke the whole library on AMX hosts while AMD ones built it.
-    Compiled for an AMX CPU and for one with AVX-512 BF16 only, whatever this host is."""
+    Compiled for an AMX CPU, for one with AVX-512 BF16 only, and for the latter with the tiles'
+    software model, whatever this host is."""
     from dolmus.runtime import native
 
     compiler = native.find_compiler()
@@ -162,6 +212,7 @@ def test_the_avx512_library_compiles_with_and_without_amx(march: str) -> None:
                 compiler,
                 "-O1",
                 f"-march={march}",
+                *defines,
                 "-fopenmp",
                 "-std=c11",
                 "-fsyntax-only",

@@ -10,7 +10,7 @@ from dolmus import LLM, SamplingParams
 from dolmus.config import EngineConfig
 from dolmus.engine.engine import Engine
 from dolmus.engine.step_timing import MIN_PROMPT_TOKENS
-from helpers import greedy, hf_greedy, random_prompts, run_tokens
+from helpers import assert_greedy_agrees_up_to_near_ties, greedy, hf_greedy, random_prompts, run_tokens
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +113,14 @@ def test_batch_matches_single_requests_in_bf16(llama_dir):
 
 
 def test_prepacked_weights_on_off_bf16(llama_dir):
+    """Prepacked weights run another kernel (our tile product, or oneDNN's blocked one) than
+    PyTorch's plain bf16 linear, summing in another order: on the tiles' software model
+    (DOLMUS_AMX_EMULATE) one of these greedy runs met a pick one bf16 step apart at its 36th
+    token. The same tokens up to such a tie."""
     prompts = random_prompts(lengths=(4, 60), seed=12)
-    on = run_tokens(LLM(model=str(llama_dir), dtype="bfloat16", prepack_weights=True), prompts)
-    off = run_tokens(LLM(model=str(llama_dir), dtype="bfloat16", prepack_weights=False), prompts)
-    assert on == off
+    on = LLM(model=str(llama_dir), dtype="bfloat16", prepack_weights=True)
+    off = LLM(model=str(llama_dir), dtype="bfloat16", prepack_weights=False)
+    assert_greedy_agrees_up_to_near_ties(on, off, prompts)
 
 
 def test_seeded_sampling_ignores_batch_companions(llama_dir):

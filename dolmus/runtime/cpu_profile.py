@@ -8,7 +8,10 @@ The level of our kernels a CPU runs (`isa`), each including the ones before it:
 
 `DOLMUS_CPU_ISA=avx2|avx512|amx|none` caps the level (never raises it above what the CPU has):
 the flags above the cap are dropped from the profile every dispatch reads, and the kernels are
-compiled without those instructions, so one machine runs and tests every lower path. The profile
+compiled without those instructions, so one machine runs and tests every lower path.
+`DOLMUS_AMX_EMULATE=1` on an AVX-512 BF16 CPU without AMX raises it once, for tests: the `amx`
+paths run on a software model of the tile instructions (native/amx_tiles.h), far slower than
+the hardware, so that their logic is tested where no AMX host is at hand. The profile
 also holds what sizing decisions need (usable cores, cache sizes, huge pages) and is logged in
 one line at start and shown in the server's /info.
 """
@@ -56,6 +59,7 @@ class CpuProfile:
     l3_kib: int | None
     huge_pages: str  # transparent huge pages: always | madvise | never | unknown
     flags: frozenset[str] = field(repr=False)  # /proc/cpuinfo's, less those above `isa`
+    amx_emulated: bool = False  # `amx` on the tiles' software model (DOLMUS_AMX_EMULATE=1; tests only)
 
     def at_least(self, level: str) -> bool:
         return ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index(level)
@@ -68,10 +72,14 @@ class CpuProfile:
             extra += ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
         if not self.at_least("avx512") and ISA_LEVELS.index(self.detected) >= ISA_LEVELS.index("avx512"):
             extra += ["-mno-avx512f"]
+        if self.amx_emulated and self.at_least("amx"):
+            extra += ["-DDOLMUS_AMX_EMULATE"]
         return extra
 
     def summary(self) -> str:
         capped = f" (capped from {self.detected} by DOLMUS_CPU_ISA)" if self.isa != self.detected else ""
+        if self.amx_emulated and self.at_least("amx"):
+            capped += " (AMX emulated in software by DOLMUS_AMX_EMULATE: for tests, not speed)"
         caches = ", ".join(f"{n} {v} KiB" for n, v in (("L2", self.l2_kib), ("L3", self.l3_kib)) if v)
         return (
             f"CPU: {self.model}; kernels at {self.isa}{capped}; {self.cores} usable cores"
@@ -97,9 +105,18 @@ def detect_level(flags: set[str] | frozenset[str]) -> str:
 
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> CpuProfile:
-    """This host's profile (once per process); DOLMUS_CPU_ISA read here."""
+    """This host's profile (once per process); DOLMUS_CPU_ISA and DOLMUS_AMX_EMULATE read here."""
     flags, model = _cpuinfo()
     detected = detect_level(flags)
+    emulated = os.environ.get("DOLMUS_AMX_EMULATE", "").strip() not in ("", "0")
+    if emulated:
+        if detected != "avx512":
+            raise ValueError(
+                "DOLMUS_AMX_EMULATE=1 models AMX on an AVX-512 BF16 CPU without it; "
+                f"this CPU's level is {detected}"
+            )
+        flags |= _NEEDS["amx"]
+        detected = "amx"
     isa = detected
     cap = os.environ.get("DOLMUS_CPU_ISA", "").strip().lower()
     if cap:
@@ -118,6 +135,7 @@ def cpu_profile() -> CpuProfile:
         l3_kib=_cache_kib(3),
         huge_pages=_huge_pages(),
         flags=kept,
+        amx_emulated=emulated,
     )
     logger.info(profile.summary())
     return profile

@@ -128,7 +128,15 @@ _AVX512 = _Spec(
         + [_i64] * 4
         + [_f32],
     },
-    headers=("bf16_simd.h", "kernels.h", "amx_panel.h", "prefetch.h", "panel_split.h", "model_step.h"),
+    headers=(
+        "bf16_simd.h",
+        "kernels.h",
+        "amx_tiles.h",
+        "amx_panel.h",
+        "prefetch.h",
+        "panel_split.h",
+        "model_step.h",
+    ),
 )
 _AVX2 = _Spec(
     "dolmus-avx2-kernels",

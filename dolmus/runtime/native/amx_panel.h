@@ -1,6 +1,6 @@
 /* The product of activation rows with one panel of 32 outputs held in AMX's B-tile layout
  * (bf16_gemm.c's packing; quant_amx.c dequantizes quantized weights into it), shared by the
- * AMX kernels. Compiled only where the compiler targets AMX-BF16.
+ * AMX kernels. Compiled only where the tiles are (amx_tiles.h: the hardware, or its model).
  *
  *   P[kb][t][j][o][e] = w[16 t + o][32 kb + 2 j + e]   (t < 2, j, o < 16, e < 2)
  */
@@ -12,6 +12,7 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "bf16_simd.h"
 #include "prefetch.h"
 
@@ -29,7 +30,7 @@ static inline void store_row(uint16_t *y, const float *acc, const float *bias, i
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

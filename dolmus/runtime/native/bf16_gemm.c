@@ -59,13 +59,20 @@ void dolmus_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
         }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#if defined(DOLMUS_AMX_EMULATE)
+_Thread_local amx_emulated_tiles amx_emulated;
+
+/* The tiles' model (amx_tiles.h) runs anywhere. */
+int dolmus_amx_ready(void) { return 1; }
+#else
 /* Linux hands out AMX state only to processes that ask: 1 when tiles may be used. */
 int dolmus_amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+#endif
 
 /* One stretch of rows (dolmus_bf16_gemm_amx) times every panel. */
 static void gemm_rows(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,

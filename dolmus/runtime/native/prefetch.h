@@ -16,7 +16,9 @@
 #include <stdint.h>
 #include <immintrin.h>
 
-#if defined(__AMX_TILE__)
+#include "amx_tiles.h"
+
+#if DOLMUS_AMX
 #define PREFETCH_FAR 16384
 #else
 /* Without AMX (AMD Zen 4/5): half as far. On a Zen 4 (2 cores, 32 KB of L1), the one-row bf16
@@ -39,7 +41,7 @@
  * cores' prefetchers keep up, ask for nothing (ONE_ROW_STREAM 0); grouped int8 blocks take
  * prefetch_stream everywhere (int8g_kernels.c). AMX hosts, not measured since, keep what they
  * had: no request ahead for bf16 and int8, prefetch_stream for the blocks. */
-#if defined(__AMX_TILE__)
+#if DOLMUS_AMX
 #define ONE_ROW_AHEAD 0
 #define ONE_ROW_STREAM 1
 #else

@@ -96,7 +96,7 @@ static int64_t query_rows(const uint16_t *q, int64_t q_stride, int64_t rows, int
     return d;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
 
 /* 16 query rows (q: rows `rows` valid, q_stride apart) of one head against the packed keys and
  * values of its KV head on AMX tiles; first: the position of row 0; the rows see keys
@@ -290,7 +290,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
             pack_keys_values(k_cache, v_cache, pos, total, d, kp, kp + padded * d);
         }
         free(pos);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
         if (amx) configure(16);
 #endif
         float *s = aligned_alloc(64, sizeof(float) * 16 * (size_t)round_up(longest, 32));
@@ -312,7 +312,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
             int64_t padded = round_up(total, 32);
             const uint16_t *kp = packed + packed_at[i] + (head / group) * 2 * padded * d;
             int64_t tok = starts[i] + t0;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
             if (amx) {
                 attend_rows_amx(q + tok * q_stride + head * d, q_stride, rowsn, contexts[i] + t0, kp, kp + padded * d,
                                 d, scale, s, pb, out + tok * out_stride + head * d, out_stride);
@@ -324,7 +324,7 @@ int dolmus_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         }
         free(s);
         free(pb);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
         if (amx) _tile_release();
 #endif
     }

@@ -36,7 +36,7 @@
 #define ROWS_MIN_INT4 2
 #define ROWS_MIN_INT8 3
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOLMUS_AMX
 
 /* Two 16-lane float vectors (the weights of inputs 2p and 2p + 1 of 16 outputs) -> one tile
  * row: lane o holds the bf16 pair (even[o], odd[o]), each rounded to nearest even. */
