@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "amx_panel.h"
+#include "amx_tiles.h" /* DOLMUS_AMX */
 #include "bf16_simd.h"
 
 /* Rows go through the panels in stretches of about this many bytes of activations, so a stretch

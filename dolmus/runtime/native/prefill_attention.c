@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "amx_panel.h"
+#include "amx_tiles.h" /* DOLMUS_AMX */
 #include "bf16_simd.h"
 #include "kernels.h"
 

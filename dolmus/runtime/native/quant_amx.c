@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include "amx_panel.h"
+#include "amx_tiles.h" /* DOLMUS_AMX */
 #include "bf16_simd.h"
 #include "kernels.h"
 #include "prefetch.h"
