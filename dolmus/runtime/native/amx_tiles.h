@@ -11,7 +11,10 @@
  * and of the odd bf16 of each pair are summed apart in float32 over the tile's pairs, then their
  * sum is added to the output; bf16 denormals read as zero and denormal results are flushed to
  * zero. Intel leaves the order of the hardware's additions unspecified, so the model's last bits
- * may differ from a real tile's: tests hold both to the same tolerances. */
+ * may differ from a real tile's: tests hold both to the same tolerances. Where the hardware
+ * faults (a tile used with no configuration loaded, a configuration past 16 rows or 64 bytes, a
+ * product whose tiles' shapes disagree, a destination that is also a source) the model stops
+ * the process with the reason, as the hardware's #UD or #GP would. */
 #ifndef DOLMUS_AMX_TILES_H
 #define DOLMUS_AMX_TILES_H
 
@@ -24,10 +27,13 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* A thread's tiles: 8 of up to 16 rows of 64 bytes, shaped by the last configuration loaded. */
 typedef struct {
+    uint8_t palette; /* 0: no configuration (released) */
     uint8_t rows[8];
     uint16_t colsb[8];
     _Alignas(64) uint8_t data[8][16][64];
@@ -36,19 +42,35 @@ typedef struct {
 /* one per thread, as the hardware's registers are (defined in bf16_gemm.c) */
 extern _Thread_local amx_emulated_tiles amx_emulated;
 
+static inline void amx_emulated_fault(const char *what) {
+    fprintf(stderr, "dolmus: AMX tiles' model: %s (the hardware faults here)\n", what);
+    abort();
+}
+
 /* LDTILECFG's 64 bytes: palette (byte 0), colsb (uint16 from byte 16), rows (bytes 48 on). */
 static inline void amx_emulated_loadconfig(const void *config) {
     const uint8_t *c = config;
+    if (c[0] > 1) amx_emulated_fault("a palette other than 0 or 1");
+    amx_emulated.palette = c[0];
     for (int t = 0; t < 8; t++) {
         memcpy(&amx_emulated.colsb[t], c + 16 + 2 * t, sizeof(uint16_t));
         amx_emulated.rows[t] = c[48 + t];
+        if (amx_emulated.rows[t] > 16 || amx_emulated.colsb[t] > 64)
+            amx_emulated_fault("a tile past 16 rows of 64 bytes");
     }
     memset(amx_emulated.data, 0, sizeof amx_emulated.data);
 }
 
+static inline void amx_emulated_configured(void) {
+    if (!amx_emulated.palette) amx_emulated_fault("a tile instruction with no configuration loaded");
+}
+
 static inline void amx_emulated_release(void) { memset(&amx_emulated, 0, sizeof amx_emulated); }
 
-static inline void amx_emulated_zero(int t) { memset(amx_emulated.data[t], 0, sizeof amx_emulated.data[t]); }
+static inline void amx_emulated_zero(int t) {
+    amx_emulated_configured();
+    memset(amx_emulated.data[t], 0, sizeof amx_emulated.data[t]);
+}
 
 static inline void amx_emulated_loadd(int t, const void *base, int64_t stride) {
     amx_emulated_zero(t);
@@ -57,6 +79,7 @@ static inline void amx_emulated_loadd(int t, const void *base, int64_t stride) {
 }
 
 static inline void amx_emulated_stored(int t, void *base, int64_t stride) {
+    amx_emulated_configured();
     for (int r = 0; r < amx_emulated.rows[t]; r++)
         memcpy((uint8_t *)base + r * stride, amx_emulated.data[t][r], amx_emulated.colsb[t]);
 }
@@ -74,6 +97,11 @@ static inline float amx_emulated_flush(float f) { return fabsf(f) < FLT_MIN ? co
 /* tile c (float32, rows x colsb / 4) += tile a (bf16 pairs, rows x K pairs) times tile b (K rows of
  * bf16 pairs, one pair per output) */
 static inline void amx_emulated_dpbf16ps(int c, int a, int b) {
+    amx_emulated_configured();
+    if (c == a || c == b || a == b) amx_emulated_fault("TDPBF16PS with a tile named twice");
+    if (amx_emulated.rows[c] != amx_emulated.rows[a] || amx_emulated.colsb[a] / 4 != amx_emulated.rows[b] ||
+        amx_emulated.colsb[c] != amx_emulated.colsb[b])
+        amx_emulated_fault("TDPBF16PS on tiles whose shapes disagree");
     int n_out = amx_emulated.colsb[c] / 4, pairs = amx_emulated.colsb[a] / 4;
     for (int m = 0; m < amx_emulated.rows[c]; m++) {
         float even[16] = {0}, odd[16] = {0};
@@ -87,7 +115,8 @@ static inline void amx_emulated_dpbf16ps(int c, int a, int b) {
             }
         }
         float *crow = (float *)amx_emulated.data[c][m];
-        for (int n = 0; n < n_out; n++) crow[n] = amx_emulated_flush(crow[n] + amx_emulated_flush(even[n] + odd[n]));
+        for (int n = 0; n < n_out; n++)
+            crow[n] = amx_emulated_flush(crow[n] + amx_emulated_flush(even[n] + odd[n]));
     }
 }
 
