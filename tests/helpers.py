@@ -101,11 +101,12 @@ def run_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | None
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params or greedy())]
 
 
-def assert_greedy_agrees_up_to_near_ties(a: LLM, b: LLM, prompts: list[list[int]], tol: float = 0.05) -> None:
+def assert_greedy_agrees_up_to_near_ties(a: LLM, b: LLM, prompts: list[list[int]], tol: float = 0.07) -> None:
     """Greedy tokens of two engines whose products sum in different orders (two kernels for the
     same weights): the same, or the same up to a step whose two picks are a near-tie (within
     `tol` nats of each other in both engines' next-token distributions, read back over the
-    common text), after which the continuations may part."""
+    common text by a prompt pass), after which the continuations may part. 0.07 nats is one
+    step of bf16 logits up to 16 in magnitude."""
     for prompt, x, y in zip(prompts, run_tokens(a, prompts), run_tokens(b, prompts)):
         assert len(x) == len(y), (x, y)
         parted = [i for i, (u, v) in enumerate(zip(x, y)) if u != v]

@@ -77,7 +77,8 @@ class CpuProfile:
         return extra
 
     def summary(self) -> str:
-        capped = f" (capped from {self.detected} by DOLMUS_CPU_ISA)" if self.isa != self.detected else ""
+        top = "amx" if self.amx_emulated else self.detected
+        capped = f" (capped from {top} by DOLMUS_CPU_ISA)" if self.isa != top else ""
         if self.amx_emulated and self.at_least("amx"):
             capped += " (AMX emulated in software by DOLMUS_AMX_EMULATE: for tests, not speed)"
         caches = ", ".join(f"{n} {v} KiB" for n, v in (("L2", self.l2_kib), ("L3", self.l3_kib)) if v)
@@ -116,14 +117,14 @@ def cpu_profile() -> CpuProfile:
                 f"this CPU's level is {detected}"
             )
         flags |= _NEEDS["amx"]
-        detected = "amx"
-    isa = detected
+    top = "amx" if emulated else detected  # the level the kernels can run at here
+    isa = top
     cap = os.environ.get("DOLMUS_CPU_ISA", "").strip().lower()
     if cap:
         if cap not in ISA_LEVELS:
             raise ValueError(f"DOLMUS_CPU_ISA must be one of {', '.join(ISA_LEVELS)}, not {cap!r}")
-        if ISA_LEVELS.index(cap) > ISA_LEVELS.index(detected):
-            raise ValueError(f"DOLMUS_CPU_ISA={cap}: this CPU runs our kernels up to {detected} only")
+        if ISA_LEVELS.index(cap) > ISA_LEVELS.index(top):
+            raise ValueError(f"DOLMUS_CPU_ISA={cap}: this CPU runs our kernels up to {top} only")
         isa = cap
     kept = frozenset(f for f in flags if not _above(isa, f))
     profile = CpuProfile(

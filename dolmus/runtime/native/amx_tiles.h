@@ -12,8 +12,8 @@
  * sum is added to the output; bf16 denormals read as zero and denormal results are flushed to
  * zero. Intel leaves the order of the hardware's additions unspecified, so the model's last bits
  * may differ from a real tile's: tests hold both to the same tolerances. Where the hardware
- * faults (a tile used with no configuration loaded, a configuration past 16 rows or 64 bytes, a
- * product whose tiles' shapes disagree, a destination that is also a source) the model stops
+ * faults (a tile used with no configuration loaded, a configuration past 16 rows or 64 bytes or
+ * with reserved fields set, a product whose tiles' shapes disagree, a tile named twice) the model stops
  * the process with the reason, as the hardware's #UD or #GP would. */
 #ifndef DOLMUS_AMX_TILES_H
 #define DOLMUS_AMX_TILES_H
@@ -51,6 +51,8 @@ static inline void amx_emulated_fault(const char *what) {
 static inline void amx_emulated_loadconfig(const void *config) {
     const uint8_t *c = config;
     if (c[0] > 1) amx_emulated_fault("a palette other than 0 or 1");
+    for (int i = 1; i < 64; i++) /* start_row, reserved bytes, tiles 8-15: zero */
+        if (c[i] && !(i >= 16 && i < 32) && !(i >= 48 && i < 56)) amx_emulated_fault("a non-zero reserved field");
     amx_emulated.palette = c[0];
     for (int t = 0; t < 8; t++) {
         memcpy(&amx_emulated.colsb[t], c + 16 + 2 * t, sizeof(uint16_t));
@@ -116,7 +118,7 @@ static inline void amx_emulated_dpbf16ps(int c, int a, int b) {
         }
         float *crow = (float *)amx_emulated.data[c][m];
         for (int n = 0; n < n_out; n++)
-            crow[n] = amx_emulated_flush(crow[n] + amx_emulated_flush(even[n] + odd[n]));
+            crow[n] = amx_emulated_flush(amx_emulated_flush(crow[n]) + amx_emulated_flush(even[n] + odd[n]));
     }
 }
 
