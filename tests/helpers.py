@@ -109,10 +109,9 @@ def assert_greedy_agrees_up_to_near_ties(a: LLM, b: LLM, prompts: list[list[int]
     step of bf16 logits up to 16 in magnitude."""
     for prompt, x, y in zip(prompts, run_tokens(a, prompts), run_tokens(b, prompts)):
         assert len(x) == len(y), (x, y)
-        parted = [i for i, (u, v) in enumerate(zip(x, y)) if u != v]
-        if not parted:
+        i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if i is None:
             continue
-        i = parted[0]
         text = prompt + x[: i + 1]
         for llm in (a, b):
             row = llm.engine.prompt_logprobs(text)[len(prompt) + i - 1].float()

@@ -31,6 +31,9 @@ def test_levels_from_flags() -> None:
     assert detect_level(avx2 | {"amx_tile", "amx_bf16"}) == "avx2"  # a level needs those below it
 
 
+PROFILE_ONLY = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
+
+
 def _run(script: str, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_vars}
     return subprocess.run(
@@ -90,11 +93,10 @@ def test_a_capped_level_runs_its_own_path(isa: str, tmp_path: Path) -> None:
 
 
 def test_a_cap_above_the_cpu_or_unknown_is_refused() -> None:
-    script = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
-    proc = _run(script, DOLMUS_CPU_ISA="sse9")
+    proc = _run(PROFILE_ONLY, DOLMUS_CPU_ISA="sse9")
     assert proc.returncode != 0 and "DOLMUS_CPU_ISA must be one of" in proc.stderr
     if HERE.detected != "amx" and not HERE.amx_emulated:
-        proc = _run(script, DOLMUS_CPU_ISA="amx")
+        proc = _run(PROFILE_ONLY, DOLMUS_CPU_ISA="amx")
         assert proc.returncode != 0 and f"up to {HERE.detected} only" in proc.stderr
 
 
@@ -104,10 +106,8 @@ def test_profile_facts() -> None:
     assert "kernels at" in HERE.summary() and "flags" not in HERE.as_dict()
 
 
-def _suite_under(isa: str | None, files: list[str], **env_vars: str) -> subprocess.CompletedProcess:
+def _suite_under(files: list[str], **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_vars}
-    if isa:
-        env["DOLMUS_CPU_ISA"] = isa
     command = [
         sys.executable,
         "-m",
@@ -127,13 +127,13 @@ def test_the_avx2_kernels_built_without_avx512() -> None:
     if ISA_LEVELS.index(HERE.detected) < ISA_LEVELS.index("avx512"):
         pytest.skip("the suite already runs the AVX2 kernels as an AVX2-only host builds them")
     proc = _suite_under(
-        "avx2",
         [
             "test_native_f32_kernels.py",
             "test_gguf_blocks.py",
             "test_bf16_weights.py",
             "test_fused_decode_f32.py",
         ],
+        DOLMUS_CPU_ISA="avx2",
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
 
@@ -143,7 +143,9 @@ def test_the_avx512_paths_on_an_amx_cpu() -> None:
     taken; capped at avx512, the tile code is compiled out and their tests run those paths."""
     if HERE.detected != "amx":
         pytest.skip("no AMX here: the suite already runs the AVX-512 paths")
-    proc = _suite_under("avx512", ["test_native_kernels.py", "test_bf16_gemm.py", "test_fused_decode.py"])
+    proc = _suite_under(
+        ["test_native_kernels.py", "test_bf16_gemm.py", "test_fused_decode.py"], DOLMUS_CPU_ISA="avx512"
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
@@ -172,7 +174,6 @@ def test_the_amx_paths_on_the_tiles_model_where_there_is_no_amx() -> None:
     proc = _run(EMULATED, DOLMUS_AMX_EMULATE="1")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
     proc = _suite_under(
-        None,
         [
             "test_bf16_gemm.py",
             "test_native_kernels.py",
@@ -191,8 +192,7 @@ def test_the_tiles_model_is_refused_where_it_does_not_apply() -> None:
         pytest.skip("this CPU takes the model")
     if os.environ.get("DOLMUS_CPU_ISA"):
         pytest.skip("the suite runs capped by DOLMUS_CPU_ISA")
-    script = "from dolmus.runtime.cpu_profile import cpu_profile; cpu_profile()"
-    proc = _run(script, DOLMUS_AMX_EMULATE="1")
+    proc = _run(PROFILE_ONLY, DOLMUS_AMX_EMULATE="1")
     assert proc.returncode != 0 and "DOLMUS_AMX_EMULATE=1 models AMX" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -65,6 +65,11 @@ class CpuProfile:
         return ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index(level)
 
     @property
+    def tiles_modelled(self) -> bool:
+        """Whether the `amx` paths run on the tiles' software model (DOLMUS_AMX_EMULATE)."""
+        return self.amx_emulated and self.at_least("amx")
+
+    @property
     def compile_flags(self) -> list[str]:
         """Compiler flags that keep -march=native builds below the cap."""
         extra = []
@@ -72,14 +77,14 @@ class CpuProfile:
             extra += ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
         if not self.at_least("avx512") and ISA_LEVELS.index(self.detected) >= ISA_LEVELS.index("avx512"):
             extra += ["-mno-avx512f"]
-        if self.amx_emulated and self.at_least("amx"):
+        if self.tiles_modelled:
             extra += ["-DDOLMUS_AMX_EMULATE"]
         return extra
 
     def summary(self) -> str:
-        top = "amx" if self.amx_emulated else self.detected
+        top = top_level(self.detected, self.amx_emulated)
         capped = f" (capped from {top} by DOLMUS_CPU_ISA)" if self.isa != top else ""
-        if self.amx_emulated and self.at_least("amx"):
+        if self.tiles_modelled:
             capped += " (AMX emulated in software by DOLMUS_AMX_EMULATE: for tests, not speed)"
         caches = ", ".join(f"{n} {v} KiB" for n, v in (("L2", self.l2_kib), ("L3", self.l3_kib)) if v)
         return (
@@ -91,6 +96,11 @@ class CpuProfile:
         out = asdict(self)
         out.pop("flags")
         return out
+
+
+def top_level(detected: str, amx_emulated: bool) -> str:
+    """The highest level our kernels can run at: the CPU's, or `amx` on the tiles' model."""
+    return "amx" if amx_emulated else detected
 
 
 def detect_level(flags: set[str] | frozenset[str]) -> str:
@@ -117,7 +127,7 @@ def cpu_profile() -> CpuProfile:
                 f"this CPU's level is {detected}"
             )
         flags |= _NEEDS["amx"]
-    top = "amx" if emulated else detected  # the level the kernels can run at here
+    top = top_level(detected, emulated)
     isa = top
     cap = os.environ.get("DOLMUS_CPU_ISA", "").strip().lower()
     if cap:

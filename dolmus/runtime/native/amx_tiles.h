@@ -13,8 +13,8 @@
  * zero. Intel leaves the order of the hardware's additions unspecified, so the model's last bits
  * may differ from a real tile's: tests hold both to the same tolerances. Where the hardware
  * faults (a tile used with no configuration loaded, a configuration past 16 rows or 64 bytes or
- * with reserved fields set, a product whose tiles' shapes disagree, a tile named twice) the model stops
- * the process with the reason, as the hardware's #UD or #GP would. */
+ * with reserved fields set, a product whose tiles' shapes disagree, a tile named twice) the
+ * model stops the process with the reason, as the hardware's #UD or #GP would. */
 #ifndef DOLMUS_AMX_TILES_H
 #define DOLMUS_AMX_TILES_H
 
@@ -52,7 +52,8 @@ static inline void amx_emulated_loadconfig(const void *config) {
     const uint8_t *c = config;
     if (c[0] > 1) amx_emulated_fault("a palette other than 0 or 1");
     for (int i = 1; i < 64; i++) /* start_row, reserved bytes, tiles 8-15: zero */
-        if (c[i] && !(i >= 16 && i < 32) && !(i >= 48 && i < 56)) amx_emulated_fault("a non-zero reserved field");
+        if (c[i] && !(i >= 16 && i < 32) && !(i >= 48 && i < 56))
+            amx_emulated_fault("a non-zero reserved field");
     amx_emulated.palette = c[0];
     for (int t = 0; t < 8; t++) {
         memcpy(&amx_emulated.colsb[t], c + 16 + 2 * t, sizeof(uint16_t));
