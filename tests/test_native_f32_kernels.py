@@ -196,7 +196,11 @@ def test_native_prefills_in_float32_agree_with_sdpa_and_do_not_depend_on_chunkin
     ours = LLM(model=folder, dtype="float32", attention_backend="native").engine
     theirs = LLM(model=folder, dtype="float32", attention_backend="torch").engine
     whole = ours.prompt_logprobs(ids)
-    assert torch.equal(ours.prompt_logprobs(ids, chunk_size=37), whole)
+    # The kernel gives a row the same bits however its prompt is chunked (the test above), but
+    # the linears around it are PyTorch's float32 GEMM, whose sums on Intel CPUs (MKL) depend on
+    # the number of rows: chunked and whole agree there to ~1e-5 with either backend. A chunk
+    # that read its cached context wrongly would be off by far more.
+    torch.testing.assert_close(ours.prompt_logprobs(ids, chunk_size=37), whole, rtol=0, atol=5e-5)
     assert ran and all(ran)  # the kernel ran (SDPA would agree too), on every chunk
     torch.testing.assert_close(whole, theirs.prompt_logprobs(ids), rtol=0, atol=1e-4)
 

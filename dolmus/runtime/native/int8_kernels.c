@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *pb, 
         if (ask == ASK_STREAM) prefetch_stream(pb + 256 * c, 4);
         if (ask == ASK_AHEAD)
             for (int v = 0; v < 4; v++)
-                _mm_prefetch((const char *)(pb + 256 * c + 64 * v) + ONE_ROW_AHEAD, _MM_HINT_T1);
+                prefetch_l2((const char *)(pb + 256 * c + 64 * v) + ONE_ROW_AHEAD);
         for (int v = 0; v < 4; v++) w[v] = (v16si)_mm512_loadu_si512((const void *)(pb + 256 * c + 64 * v));
         for (int r = 0; r < R; r++) {
             int32_t hq, lq;
