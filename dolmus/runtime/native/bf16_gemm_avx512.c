@@ -106,9 +106,10 @@ static inline __attribute__((always_inline)) void dp_steps(const uint16_t *pp, i
     const int near = pf_lo == 0 && pf_hi > 0 && (R <= 4 || pf_hi < 32);
     for (int64_t kb = k0; kb < k1; kb++) {
         const uint16_t *w = pp + kb * 2 * TILE, *xk = x + kb * KSTEP;
-        /* _mm_prefetch written out: through prefetch.h's helper, GCC 12 emitted no prefetch at all
-         * in this file (benchmarks/bf16_linear.py: 0.74-0.90x oneDNN at 4-64 rows). `ahead` is
-         * loop-invariant, yet set beside `near` GCC laid the loop out differently; kept as measured. */
+        /* _mm_prefetch written out: through prefetch.h's helper, before its requests were volatile
+         * asm, GCC 12 emitted no prefetch at all in this file (benchmarks/bf16_linear.py:
+         * 0.74-0.90x oneDNN at 4-64 rows). `ahead` is loop-invariant, yet set beside `near` GCC
+         * laid the loop out differently; kept as measured. */
         const int64_t ahead = pf_hi - pf_lo == 32 ? SINGLE_BLOCK_AHEAD : CHUNK_STEPS;
         for (int i = pf_lo; i < pf_hi; i++)
             _mm_prefetch((const char *)(w + ahead * 2 * TILE) + 64 * i, _MM_HINT_T1);
